@@ -1,0 +1,183 @@
+"""`sidecar-ops build-0-262mp | build-1-05mp | build-both`: resize a main dataset shard by shard."""
+
+import argparse
+import functools
+import sys
+from collections import Counter
+
+from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.jobs.runner import Progress, RunSummary, local_workers, run_shards
+
+RESOLUTIONS = {
+    "512": (AREA_512, "0_26mp_process"),
+    "1024": (AREA_1024, "1_05mp_process"),
+}
+
+
+def add_parser(subparsers) -> None:
+    for command, resolution in (("build-0-262mp", "512"), ("build-1-05mp", "1024")):
+        area, audit_prefix = RESOLUTIONS[resolution]
+        parser = subparsers.add_parser(
+            command, help=f"build the {area:,} px-area resized dataset", description=f"Resize to {area:,} px area."
+        )
+        parser.add_argument("--output-prefix", required=True, help="where the resized dataset goes")
+        parser.add_argument("--audit-prefix", default=audit_prefix, help="prefix of the audit columns")
+        parser.set_defaults(func=run, resolutions=[resolution])
+        _add_common(parser)
+    fused = subparsers.add_parser(
+        "build-both", help="build the 512 and 1024 datasets from one decode per image (fused)"
+    )
+    fused.add_argument("--output-prefix-512", required=True)
+    fused.add_argument("--output-prefix-1024", required=True)
+    fused.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"][1])
+    fused.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"][1])
+    fused.set_defaults(func=run, resolutions=["512", "1024"])
+    _add_common(fused)
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    defaults = PixelOptions()
+    parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
+    parser.add_argument("--key-column", default="image_key")
+    parser.add_argument("--image-column", default="image")
+    parser.add_argument("--patch-size", type=int, default=defaults.patch_size)
+    parser.add_argument("--square", action="store_true", help="centred square crop (tw = th)")
+    parser.add_argument("--output-format", default=defaults.output_format, choices=["webp", "jpeg", "png"])
+    parser.add_argument("--quality", type=int, default=defaults.quality)
+    parser.add_argument("--webp-method", type=int, default=defaults.webp_method, help="WebP effort 0..6")
+    parser.add_argument("--max-source-pixels", type=int, default=defaults.max_source_pixels)
+    parser.add_argument("--max-aspect-ratio", type=float, default=defaults.max_aspect_ratio)
+    parser.add_argument("--min-source-side", type=int, default=defaults.min_source_side)
+    parser.add_argument("--background", default=None, help="composite transparency on R,G,B instead of keeping it")
+    parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
+    parser.add_argument("--max-inflight", type=int, default=8, help="shards in flight at once")
+    parser.add_argument("--task-cpus", type=int, default=1, help="CPUs per shard task")
+    parser.add_argument("--task-memory-gb", type=float, default=4.0, help="memory per shard task (Ray)")
+    parser.add_argument("--threads-per-shard", type=int, default=1, help="resize threads inside one shard")
+    parser.add_argument("--use-ray", action="store_true", help="run shards as Ray tasks")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
+    parser.add_argument("--max-attempts", type=int, default=3, help="tries per shard when a worker dies")
+
+
+def _outputs(args) -> list[ResizedOutput]:
+    if args.resolutions == ["512", "1024"]:
+        prefixes = {"512": (args.output_prefix_512, args.audit_prefix_512), "1024": (args.output_prefix_1024, args.audit_prefix_1024)}
+    else:
+        prefixes = {args.resolutions[0]: (args.output_prefix, args.audit_prefix)}
+    return [
+        ResizedOutput(Location.parse(uri), RESOLUTIONS[resolution][0], audit_prefix)
+        for resolution, (uri, audit_prefix) in prefixes.items()
+    ]
+
+
+def _pixel_options(args) -> PixelOptions:
+    background = None
+    if args.background:
+        try:
+            background = tuple(int(v) for v in args.background.split(","))
+        except ValueError:
+            raise ValueError(f"--background must be R,G,B integers, got {args.background!r}") from None
+    return PixelOptions(
+        patch_size=args.patch_size,
+        square=args.square,
+        output_format=args.output_format,
+        quality=args.quality,
+        webp_method=args.webp_method,
+        max_source_pixels=args.max_source_pixels,
+        max_aspect_ratio=args.max_aspect_ratio,
+        min_source_side=args.min_source_side,
+        background=background,
+    )
+
+
+def _check_args(args) -> None:
+    for name in ("max_inflight", "task_cpus", "threads_per_shard", "max_attempts"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.task_memory_gb <= 0:
+        raise ValueError("--task-memory-gb must be positive")
+
+
+def run(args) -> int:
+    # Everything is validated before any shard is touched (bad configuration does no work).
+    try:
+        _check_args(args)
+        main = Location.parse(args.main_prefix)
+        outputs = _outputs(args)
+        for output in outputs:
+            check_output_location(main, output.location)
+        if len({o.location for o in outputs}) != len(outputs):
+            raise ValueError("the 512 and 1024 outputs must be different locations")
+        options = _pixel_options(args)
+    except (ValueError, LocationError) as exc:
+        print(f"sidecar-ops: error: {exc}", file=sys.stderr)
+        return 2
+    shards = main.list_shards()
+    if not shards:
+        print(f"sidecar-ops: error: no *.parquet shards under {main.uri}", file=sys.stderr)
+        return 2
+    job = functools.partial(
+        build_resized_shard,
+        main,
+        outputs=outputs,
+        key_column=args.key_column,
+        image_column=args.image_column,
+        options=options,
+        threads=args.threads_per_shard,
+        skip_existing=args.skip_existing,
+    )
+    print(f"{len(shards)} shards under {main.uri} -> {', '.join(o.location.uri for o in outputs)}", file=sys.stderr)
+    progress = Progress(len(shards))
+    if args.use_ray:
+        try:
+            from fixed_res_sidecar.jobs import ray_runner
+        except ImportError as exc:
+            print(
+                f"sidecar-ops: error: --use-ray needs Ray, which is not installed ({exc}); "
+                "install it with: pip install 'fixed-resolution-sidecar[ray]'",
+                file=sys.stderr,
+            )
+            return 2
+        summary = ray_runner.run_shards_on_ray(
+            job,
+            shards,
+            address=args.ray_address,
+            max_inflight=args.max_inflight,
+            task_cpus=args.task_cpus,
+            task_memory_gb=args.task_memory_gb,
+            max_attempts=args.max_attempts,
+            progress=progress,
+        )
+    else:
+        workers = local_workers(args.max_inflight, args.task_cpus)
+        summary = run_shards(job, shards, workers=workers, max_attempts=args.max_attempts, progress=progress)
+    print(format_summary(summary), file=sys.stdout)
+    return 0 if summary.ok else 1
+
+
+def format_summary(summary: RunSummary) -> str:
+    results = list(summary.results.values())
+    built = sum(1 for r in results if r.built)
+    lines = [
+        f"shards: {len(results) + len(summary.failures)} total, {built} built, "
+        f"{len(results) - built} skipped, {len(summary.failures)} failed "
+        f"({sum(r.rows for r in results)} rows in {summary.seconds:.1f} s)"
+    ]
+    per_prefix: dict[str, Counter] = {}
+    for result in results:
+        for output in result.outputs:
+            if output.status != "built":
+                continue
+            counts = per_prefix.setdefault(output.audit_prefix, Counter())
+            counts["valid"] += output.valid
+            counts.update(output.error_counts)
+    for prefix, counts in per_prefix.items():
+        errors = {k: v for k, v in sorted(counts.items()) if k != "valid"}
+        detail = ", ".join(f"{k} {v}" for k, v in errors.items()) or "none"
+        lines.append(f"  {prefix} (built shards): valid {counts['valid']}, invalid {sum(errors.values())} ({detail})")
+    for rel, reason in sorted(summary.failures.items()):
+        lines.append(f"  FAILED {rel}: {reason}")
+    return "\n".join(lines)

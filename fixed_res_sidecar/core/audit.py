@@ -1,0 +1,91 @@
+"""The per-row audit record of a resized image and its Parquet columns (SPEC section 5)."""
+
+from dataclasses import dataclass, fields
+from enum import Enum
+
+import pyarrow as pa
+
+
+class ErrorCode(str, Enum):
+    MISSING_IMAGE = "missing_image"
+    DECODE_ERROR = "decode_error"
+    TOO_LARGE = "too_large"
+    TOO_SMALL = "too_small"
+    ASPECT_RATIO = "aspect_ratio"
+    ENCODE_ERROR = "encode_error"
+    UNSUPPORTED = "unsupported"
+
+
+ERROR_CODES = tuple(code.value for code in ErrorCode)
+
+
+@dataclass
+class AuditRecord:
+    """One row's audit: what came in, what went out, or why nothing did."""
+
+    valid: bool = False
+    error: str | None = None
+    error_detail: str | None = None
+    src_width: int | None = None
+    src_height: int | None = None
+    src_format: str | None = None
+    src_mode: str | None = None
+    exif_orientation: int = 1
+    n_frames: int | None = None
+    width: int | None = None
+    height: int | None = None
+    crop_x0: float | None = None
+    crop_y0: float | None = None
+    crop_x1: float | None = None
+    crop_y1: float | None = None
+    scale: float | None = None
+    out_bytes: int | None = None
+
+
+AUDIT_TYPES: dict[str, pa.DataType] = {
+    "valid": pa.bool_(),
+    "error": pa.string(),
+    "error_detail": pa.string(),
+    "src_width": pa.int32(),
+    "src_height": pa.int32(),
+    "src_format": pa.string(),
+    "src_mode": pa.string(),
+    "exif_orientation": pa.int8(),
+    "n_frames": pa.int32(),
+    "width": pa.int32(),
+    "height": pa.int32(),
+    "crop_x0": pa.float64(),
+    "crop_y0": pa.float64(),
+    "crop_x1": pa.float64(),
+    "crop_y1": pa.float64(),
+    "scale": pa.float64(),
+    "out_bytes": pa.int32(),
+}
+AUDIT_FIELDS = tuple(f.name for f in fields(AuditRecord))
+assert AUDIT_FIELDS == tuple(AUDIT_TYPES), "AuditRecord and AUDIT_TYPES must list the same fields in order"
+
+
+def audit_column(audit_prefix: str, field: str) -> str:
+    return f"{audit_prefix}_{field}"
+
+
+def audit_columns(audit_prefix: str) -> list[pa.Field]:
+    """The audit columns of a resized shard, in order. `valid` is never null."""
+    return [
+        pa.field(audit_column(audit_prefix, name), dtype, nullable=(name != "valid"))
+        for name, dtype in AUDIT_TYPES.items()
+    ]
+
+
+def audit_arrays(audit_prefix: str, records: list[AuditRecord]) -> dict[str, pa.Array]:
+    """Column name -> array for a batch of records."""
+    return {
+        field.name: pa.array([getattr(r, name) for r in records], type=field.type)
+        for name, field in zip(AUDIT_TYPES, audit_columns(audit_prefix))
+    }
+
+
+def read_audit_records(table: pa.Table, audit_prefix: str) -> list[AuditRecord]:
+    """Audit records back from a resized shard's columns (the crop sidecar and verifier use this)."""
+    columns = {name: table.column(audit_column(audit_prefix, name)).to_pylist() for name in AUDIT_TYPES}
+    return [AuditRecord(**{name: columns[name][i] for name in AUDIT_TYPES}) for i in range(table.num_rows)]

@@ -1,0 +1,264 @@
+"""Dataset locations: a local folder or an `s3://bucket/prefix`, behind one interface.
+
+Reads go through pyarrow's filesystem (random access, so Parquet is streamed by row
+group); listing and uploads go through boto3 (paginated listing, and an upload that
+either completes or leaves nothing). Both take S3 settings from the standard AWS chain,
+`AWS_ENDPOINT_URL` included, and retry transient errors with backoff.
+"""
+
+import contextlib
+import functools
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlparse
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+SHARD_SUFFIX = ".parquet"
+S3_MAX_ATTEMPTS = 10
+
+
+class LocationError(ValueError):
+    """A location that must not be used the way it was asked to be."""
+
+
+@dataclass(frozen=True)
+class Location:
+    """A dataset root. Shards and reports are addressed by a relative path `rel` under it."""
+
+    scheme: str  # "file" or "s3"
+    bucket: str  # "" for local
+    path: str  # absolute local path, or the key prefix without slashes at either end
+
+    @classmethod
+    def parse(cls, uri: str | os.PathLike) -> "Location":
+        text = os.fspath(uri).strip()
+        if not text:
+            raise LocationError("a location must not be empty")
+        if text.startswith("s3://"):
+            bucket, _, prefix = text[len("s3://") :].partition("/")
+            if not bucket:
+                raise LocationError(f"{text!r} has no bucket")
+            parts = [p for p in prefix.split("/") if p]
+            if any(p in (".", "..") for p in parts):
+                raise LocationError(f"{text!r} must not contain '.' or '..' segments")
+            return cls("s3", bucket, "/".join(parts))
+        if "://" in text:
+            raise LocationError(f"{text!r}: only local paths and s3:// URIs are supported")
+        return cls("file", "", str(Path(text).expanduser().resolve()))
+
+    @property
+    def is_s3(self) -> bool:
+        return self.scheme == "s3"
+
+    @property
+    def uri(self) -> str:
+        if self.is_s3:
+            return f"s3://{self.bucket}/{self.path}" if self.path else f"s3://{self.bucket}"
+        return self.path
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def _parts(self) -> tuple[str, ...]:
+        if self.is_s3:
+            return (self.bucket, *[p for p in self.path.split("/") if p])
+        return Path(self.path).parts
+
+    def overlaps(self, other: "Location") -> bool:
+        """True when one location is the other, is inside it, or holds it."""
+        if self.scheme != other.scheme:
+            return False
+        a, b = self._parts(), other._parts()
+        n = min(len(a), len(b))
+        return a[:n] == b[:n]
+
+    def child(self, rel: str) -> str:
+        """The full URI (or local path) of `rel` under this location."""
+        rel = _check_rel(rel)
+        if self.is_s3:
+            return f"s3://{self.bucket}/{self._key(rel)}"
+        return str(Path(self.path, rel))
+
+    def _key(self, rel: str) -> str:
+        return f"{self.path}/{rel}" if self.path else rel
+
+    def _fs_path(self, rel: str) -> str:
+        return f"{self.bucket}/{self._key(rel)}" if self.is_s3 else str(Path(self.path, rel))
+
+    @property
+    def filesystem(self) -> pafs.FileSystem:
+        return s3_filesystem() if self.is_s3 else pafs.LocalFileSystem()
+
+    # -- listing -------------------------------------------------------------------
+
+    def iter_shard_pages(self, suffix: str = SHARD_SUFFIX, page_size: int = 1000) -> Iterator[list[str]]:
+        """Relative paths of shards at any depth, in pages (S3 lists in key order, 1000 a page)."""
+        if self.is_s3:
+            paginator = s3_client().get_paginator("list_objects_v2")
+            prefix = f"{self.path}/" if self.path else ""
+            pages = paginator.paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}
+            )
+            for page in pages:
+                rels = [obj["Key"][len(prefix) :] for obj in page.get("Contents", [])]
+                rels = [r for r in rels if _is_shard(r, suffix)]
+                if rels:
+                    yield rels
+            return
+        rels = self.list_shards(suffix)
+        for start in range(0, len(rels), page_size):
+            yield rels[start : start + page_size]
+
+    def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
+        """Every shard's relative path at any depth, sorted."""
+        if self.is_s3:
+            return sorted(rel for page in self.iter_shard_pages(suffix) for rel in page)
+        root = Path(self.path)
+        if not root.is_dir():
+            return []
+        found = []
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in files:
+                rel = Path(folder, name).relative_to(root).as_posix()
+                if _is_shard(rel, suffix):
+                    found.append(rel)
+        return sorted(found)
+
+    # -- reading -------------------------------------------------------------------
+
+    def exists(self, rel: str) -> bool:
+        return self.size(rel) is not None
+
+    def size(self, rel: str) -> int | None:
+        info = self.filesystem.get_file_info(self._fs_path(_check_rel(rel)))
+        return info.size if info.type == pafs.FileType.File else None
+
+    def open_input(self, rel: str):
+        """A random-access file (pyarrow NativeFile) for `rel`."""
+        return self.filesystem.open_input_file(self._fs_path(_check_rel(rel)))
+
+    def parquet_file(self, rel: str) -> pq.ParquetFile:
+        return pq.ParquetFile(self.open_input(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.open_input(rel) as f:
+            return f.read()
+
+    # -- writing -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write_atomic(self, rel: str, protect: Sequence["Location"] = ()) -> Iterator[str]:
+        """Yield a local temporary path; when the block succeeds, publish it at `rel` whole.
+
+        Local: a hidden temporary file in the target folder, renamed over the final
+        name. S3: a local temporary file uploaded with one PUT or one completed
+        multipart upload. On error, or a crash, nothing appears at the final name.
+        """
+        rel = _check_rel(rel)
+        for protected in protect:
+            if self.overlaps(protected):
+                raise LocationError(f"refusing to write {self.child(rel)}: it overlaps {protected.uri}")
+        if self.is_s3:
+            with tempfile.TemporaryDirectory(prefix="sidecar-") as tmp_dir:
+                tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
+                yield tmp
+                s3_client().upload_file(tmp, self.bucket, self._key(rel))
+            return
+        final = Path(self.path, rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            yield str(tmp)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def write_bytes(self, rel: str, data: bytes, protect: Sequence["Location"] = ()) -> None:
+        with self.write_atomic(rel, protect) as tmp:
+            Path(tmp).write_bytes(data)
+
+    def remove_stale_temporaries(self, rel: str) -> int:
+        """Delete temporaries a crashed local write left beside `rel`; S3 leaves none."""
+        if self.is_s3:
+            return 0
+        final = Path(self.path, _check_rel(rel))
+        stale = list(final.parent.glob(f".{final.name}.*.tmp")) if final.parent.is_dir() else []
+        for tmp in stale:
+            tmp.unlink(missing_ok=True)
+        return len(stale)
+
+
+def check_output_location(main: Location, output: Location, what: str = "output") -> None:
+    """Refuse an output at, inside or above the main dataset (SPEC 2)."""
+    if output.overlaps(main):
+        raise LocationError(
+            f"{what} location {output.uri} is at, inside or above the main dataset {main.uri}; "
+            "the main dataset is read-only"
+        )
+
+
+def _is_shard(rel: str, suffix: str) -> bool:
+    return rel.endswith(suffix) and not any(part.startswith(".") for part in rel.split("/"))
+
+
+def _check_rel(rel: str) -> str:
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise LocationError(f"{rel!r} is not a relative shard path")
+    return rel
+
+
+# -- S3 clients: one per process and endpoint settings --------------------------------
+
+
+def _aws_settings() -> tuple[str | None, str | None, str | None]:
+    return (
+        os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
+        os.environ.get("AWS_PROFILE"),
+        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+    )
+
+
+def s3_client():
+    return _s3_client(*_aws_settings())
+
+
+def s3_filesystem() -> pafs.S3FileSystem:
+    return _s3_filesystem(*_aws_settings())
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_client(endpoint: str | None, profile: str | None, region: str | None):
+    import boto3
+    from botocore.config import Config
+
+    session = boto3.session.Session(profile_name=profile)
+    config = Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
+    # boto3 itself reads AWS_ENDPOINT_URL and the profile's endpoint_url.
+    return session.client("s3", config=config)
+
+
+@functools.lru_cache(maxsize=8)
+def _s3_filesystem(endpoint: str | None, profile: str | None, region: str | None) -> pafs.S3FileSystem:
+    client = _s3_client(endpoint, profile, region)
+    endpoint_url = client.meta.endpoint_url
+    credentials = client._request_signer._credentials
+    frozen = credentials.get_frozen_credentials() if credentials else None
+    kwargs = {
+        "region": client.meta.region_name or "us-east-1",
+        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS),
+    }
+    if frozen is not None:
+        kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key, session_token=frozen.token)
+    if not (urlparse(endpoint_url).hostname or "").endswith("amazonaws.com"):
+        # A custom endpoint (MinIO, moto, ...) that boto3 resolved from the AWS chain.
+        scheme, _, host = endpoint_url.partition("://")
+        kwargs.update(endpoint_override=host, scheme=scheme)
+    return pafs.S3FileSystem(**kwargs)

@@ -1,0 +1,227 @@
+"""Build the resized shards of one main shard (SPEC 2, 4, 5).
+
+One decode per image feeds every requested resolution (the fused build). The main
+shard is streamed by row group, images are resized on a thread pool with a bounded
+number in flight, row order is kept, and each output is written atomically.
+"""
+
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fixed_res_sidecar.core.audit import AuditRecord, ErrorCode, audit_arrays, audit_columns
+from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, process_image
+from fixed_res_sidecar.io.locations import Location, check_output_location
+from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, package_version
+
+OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
+
+
+class ShardError(RuntimeError):
+    """A shard that cannot be processed at all (unreadable, wrong columns); names the shard."""
+
+
+@dataclass(frozen=True)
+class ResizedOutput:
+    """One resized dataset: where it goes, its target area and its audit column prefix."""
+
+    location: Location
+    area: int
+    audit_prefix: str
+
+
+@dataclass
+class OutputSummary:
+    audit_prefix: str
+    uri: str
+    status: str  # "built" or "skipped"
+    valid: int = 0
+    error_counts: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class ShardResult:
+    rel: str
+    rows: int
+    outputs: list[OutputSummary]
+    seconds: float
+
+    @property
+    def built(self) -> bool:
+        return any(o.status == "built" for o in self.outputs)
+
+    @property
+    def status_text(self) -> str:
+        parts = [f"{o.status} {o.audit_prefix}" for o in self.outputs]
+        return f"{', '.join(parts)} ({self.rows} rows, {self.seconds:.1f} s)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def build_settings(
+    output: ResizedOutput, options: PixelOptions, key_column: str, image_column: str
+) -> dict[str, Any]:
+    """Everything that decides an output shard's bytes (compared by skip-existing)."""
+    return {
+        "target_area": output.area,
+        "audit_prefix": output.audit_prefix,
+        "key_column": key_column,
+        "image_column": image_column,
+        "resample": "lanczos",
+        **dataclasses.asdict(options),
+        "versions": {"fixed_res_sidecar": package_version(), **library_versions()},
+    }
+
+
+def build_resized_shard(
+    main: Location,
+    rel: str,
+    outputs: Sequence[ResizedOutput],
+    *,
+    key_column: str = "image_key",
+    image_column: str = "image",
+    options: PixelOptions = PixelOptions(),
+    threads: int = 1,
+    skip_existing: bool = False,
+    on_rows: Callable[[int], None] | None = None,
+) -> ShardResult:
+    """Resize every image of `main/rel` into each of `outputs`; returns what was done."""
+    started = time.monotonic()
+    if not outputs:
+        raise ValueError("at least one output is required")
+    for output in outputs:
+        check_output_location(main, output.location)
+    source = _open_main_shard(main, rel, key_column, image_column)
+    rows = source.metadata.num_rows
+    settings = {o: build_settings(o, options, key_column, image_column) for o in outputs}
+    todo = [o for o in outputs if not (skip_existing and is_up_to_date(o.location, rel, rows, settings[o]))]
+    summaries = {o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped") for o in outputs}
+    if todo:
+        _build(source, main, rel, todo, settings, summaries, key_column, image_column, options, threads, on_rows)
+    return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
+
+
+def _open_main_shard(main: Location, rel: str, key_column: str, image_column: str) -> pq.ParquetFile:
+    try:
+        source = main.parquet_file(rel)
+        names = source.schema_arrow.names
+    except Exception as exc:
+        raise ShardError(f"{main.child(rel)}: not a readable Parquet file ({exc})") from exc
+    missing = [c for c in (key_column, image_column) if c not in names]
+    if missing:
+        raise ShardError(f"{main.child(rel)}: missing column(s) {missing}; it has {names}")
+    image_type = source.schema_arrow.field(image_column).type
+    if not (_is_binary(image_type) or (pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0)):
+        raise ShardError(f"{main.child(rel)}: image column {image_column!r} has type {image_type}, expected bytes")
+    return source
+
+
+def _is_binary(dtype: pa.DataType) -> bool:
+    return pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype)
+
+
+def _build(source, main, rel, todo, settings, summaries, key_column, image_column, options, threads, on_rows):
+    key_field = source.schema_arrow.field(key_column)
+    image_field = source.schema_arrow.field(image_column)
+    areas = [o.area for o in todo]
+    rows = _iter_rows(source, key_column, image_column)
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for output in todo:
+            schema = pa.schema([key_field, image_field, *audit_columns(output.audit_prefix)])
+            schema = schema.with_metadata(encode_settings(settings[output]))
+            tmp = stack.enter_context(output.location.write_atomic(rel, protect=[main]))
+            writer = pq.ParquetWriter(
+                tmp,
+                schema,
+                compression="zstd",
+                use_dictionary=[key_column],
+                write_statistics=[key_column],
+            )
+            stack.callback(writer.close)
+            writers.append(writer)
+        pool = stack.enter_context(ThreadPoolExecutor(threads)) if threads > 1 else None
+        results = _ordered_map(pool, lambda row: _process_row(row[1], areas, options), rows, 4 * max(1, threads))
+        buffer: list[tuple[Any, Any, list[ImageResult]]] = []
+        for (key, image), per_area in results:
+            buffer.append((key, image, per_area))
+            if len(buffer) >= OUTPUT_ROW_GROUP_ROWS:
+                _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
+        _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
+        # Closing happens before write_atomic publishes: ExitStack unwinds in reverse order.
+
+
+def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[Any, Any]]:
+    """(key, image cell) per row, one row group in memory at a time."""
+    for batch in source.iter_batches(batch_size=OUTPUT_ROW_GROUP_ROWS, columns=[key_column, image_column]):
+        yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
+
+
+def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tuple[Any, Any]]:
+    """(item, fn(item)) in input order, with at most `max_in_flight` items submitted."""
+    if pool is None:
+        for item in items:
+            yield item, fn(item)
+        return
+    pending: deque = deque()
+    for item in items:
+        pending.append((item, pool.submit(fn, item)))
+        if len(pending) >= max_in_flight:
+            first, future = pending.popleft()
+            yield first, future.result()
+    while pending:
+        first, future = pending.popleft()
+        yield first, future.result()
+
+
+def _process_row(cell: Any, areas: list[int], options: PixelOptions) -> list[ImageResult]:
+    data = cell.get("bytes") if isinstance(cell, dict) else cell
+    try:
+        return process_image(data, areas, options)
+    except Exception as exc:  # process_image should not raise; if it does, the row is still audited
+        detail = f"unexpected {type(exc).__name__}: {exc}"
+        return [ImageResult(AuditRecord(error=ErrorCode.DECODE_ERROR.value, error_detail=detail), None) for _ in areas]
+
+
+def _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows) -> None:
+    if not buffer:
+        return
+    keys = pa.array([key for key, _, _ in buffer], type=key_field.type)
+    for index, (output, writer) in enumerate(zip(todo, writers)):
+        results = [per_area[index] for _, _, per_area in buffer]
+        images = _image_array([cell for _, cell, _ in buffer], [r.image for r in results], image_field.type)
+        records = [r.record for r in results]
+        columns = {key_field.name: keys, image_field.name: images, **audit_arrays(output.audit_prefix, records)}
+        writer.write_table(pa.table(columns, schema=writer.schema))
+        summary = summaries[output]
+        for record in records:
+            if record.valid:
+                summary.valid += 1
+            else:
+                summary.error_counts[record.error] = summary.error_counts.get(record.error, 0) + 1
+    if on_rows is not None:
+        on_rows(len(buffer))
+    buffer.clear()
+
+
+def _image_array(cells: list[Any], encoded: list[bytes | None], dtype: pa.DataType) -> pa.Array:
+    if not pa.types.is_struct(dtype):
+        return pa.array(encoded, type=dtype)
+    # Hugging Face Image layout: keep the struct, replace the bytes, keep the other fields.
+    values = []
+    for cell, data in zip(cells, encoded):
+        if cell is None:
+            values.append(None if data is None else {"bytes": data})
+        else:
+            values.append({**cell, "bytes": data})
+    return pa.array(values, type=dtype)
+

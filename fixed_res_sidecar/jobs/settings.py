@@ -1,0 +1,46 @@
+"""Build settings: what an output shard was made with, stored in its Parquet footer.
+
+`--skip-existing` compares these with the current ones (SPEC 2), so anything that
+changes the bytes of an output belongs here.
+"""
+
+import json
+from importlib import metadata
+from typing import Any
+
+import pyarrow.parquet as pq
+
+SETTINGS_KEY = b"fixed_res_sidecar.settings"
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("fixed-resolution-sidecar")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def encode_settings(settings: dict[str, Any]) -> dict[bytes, bytes]:
+    """Parquet key-value metadata holding `settings`."""
+    return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+
+
+def read_settings(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
+    raw = (parquet_file.schema_arrow.metadata or {}).get(SETTINGS_KEY)
+    return json.loads(raw) if raw else None
+
+
+def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, Any]) -> bool:
+    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match."""
+    try:
+        if not location.exists(rel):
+            return False
+        existing = location.parquet_file(rel)
+        return existing.metadata.num_rows == expected_rows and read_settings(existing) == _normalised(settings)
+    except Exception:  # unreadable or foreign file: rebuild it
+        return False
+
+
+def _normalised(settings: dict[str, Any]) -> dict[str, Any]:
+    # Round-trip through JSON so tuples compare equal to the lists read back.
+    return json.loads(json.dumps(settings, sort_keys=True))

@@ -1,0 +1,5 @@
+pytest_plugins = [
+    "fixed_res_sidecar_tests.fixtures.images",
+    "fixed_res_sidecar_tests.fixtures.datasets",
+    "fixed_res_sidecar_tests.fixtures.s3",
+]

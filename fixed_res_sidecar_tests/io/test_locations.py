@@ -1,0 +1,114 @@
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+
+
+def _touch(root: Path, rel: str, data: bytes = b"x") -> None:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_parse_local_and_s3(tmp_path):
+    assert Location.parse(tmp_path).uri == str(tmp_path)
+    s3 = Location.parse("s3://bucket//data/main/")
+    assert (s3.bucket, s3.path, s3.uri) == ("bucket", "data/main", "s3://bucket/data/main")
+    assert s3.child("a/b.parquet") == "s3://bucket/data/main/a/b.parquet"
+    for bad in ("", "s3://", "s3://b/x/../y", "gs://bucket/x"):
+        with pytest.raises(LocationError):
+            Location.parse(bad)
+
+
+def test_relative_paths_cannot_escape(tmp_path):
+    location = Location.parse(tmp_path)
+    for bad in ("../x.parquet", "/etc/passwd", "a//b.parquet", ""):
+        with pytest.raises(LocationError):
+            location.child(bad)
+
+
+def test_local_listing_any_depth_sorted_without_temporaries(tmp_path):
+    for rel in ("b.parquet", "a/z/2.parquet", "a/1.parquet", "notes.txt", ".a.parquet.123.tmp", ".hidden/x.parquet"):
+        _touch(tmp_path, rel)
+    location = Location.parse(tmp_path)
+    assert location.list_shards() == ["a/1.parquet", "a/z/2.parquet", "b.parquet"]
+    assert list(location.iter_shard_pages(page_size=2)) == [["a/1.parquet", "a/z/2.parquet"], ["b.parquet"]]
+    assert Location.parse(tmp_path / "missing").list_shards() == []
+
+
+@pytest.mark.parametrize(
+    "main, output, refused",
+    [
+        ("/data/main", "/data/main", True),
+        ("/data/main", "/data/main/out", True),
+        ("/data/main", "/data", True),
+        ("/data/main", "/data/main-512", False),
+        ("/data/main", "/data/out/main", False),
+        ("s3://b/main", "s3://b/main/", True),
+        ("s3://b/main", "s3://b/main/x", True),
+        ("s3://b/main", "s3://b", True),
+        ("s3://b/main", "s3://b/main2", False),
+        ("s3://b/main", "s3://other/main", False),
+        ("s3://b/main", "/b/main", False),
+    ],
+)
+def test_output_must_not_overlap_main(main, output, refused):
+    if refused:
+        with pytest.raises(LocationError, match="read-only"):
+            check_output_location(Location.parse(main), Location.parse(output))
+    else:
+        check_output_location(Location.parse(main), Location.parse(output))
+
+
+def test_write_atomic_publishes_whole_or_nothing(tmp_path):
+    location = Location.parse(tmp_path / "out")
+    with pytest.raises(RuntimeError):
+        with location.write_atomic("a/b.parquet") as tmp:
+            Path(tmp).write_bytes(b"partial")
+            assert Path(tmp).parent == tmp_path / "out" / "a"  # same folder, so the rename is atomic
+            raise RuntimeError("crash mid-write")
+    assert not location.exists("a/b.parquet")
+    assert list((tmp_path / "out" / "a").iterdir()) == []
+    location.write_bytes("a/b.parquet", b"whole")
+    assert location.read_bytes("a/b.parquet") == b"whole"
+    assert location.size("a/b.parquet") == 5
+
+
+def test_write_path_refuses_protected_location(tmp_path):
+    main = Location.parse(tmp_path / "main")
+    with pytest.raises(LocationError):
+        with Location.parse(tmp_path / "main" / "inside").write_atomic("x.parquet", protect=[main]):
+            pass
+    assert not (tmp_path / "main").exists()
+
+
+def test_remove_stale_temporaries(tmp_path):
+    _touch(tmp_path, "a/.b.parquet.0123456789ab.tmp")
+    _touch(tmp_path, "a/b.parquet")
+    location = Location.parse(tmp_path)
+    assert location.remove_stale_temporaries("a/b.parquet") == 1
+    assert location.list_shards() == ["a/b.parquet"] and len(list((tmp_path / "a").iterdir())) == 1
+
+
+def test_s3_round_trip(s3_bucket):
+    location = Location.parse(f"s3://{s3_bucket}/data/main")
+    table = pa.table({"k": ["a", "b"]})
+    for rel in ("z.parquet", "x/y/1.parquet", "x/2.parquet"):
+        with location.write_atomic(rel) as tmp:
+            pq.write_table(table, tmp)
+    location.write_bytes("x/report.json", b"{}")
+    assert location.list_shards() == ["x/2.parquet", "x/y/1.parquet", "z.parquet"]
+    pages = list(location.iter_shard_pages(page_size=2))  # 4 objects listed 2 a page; the JSON is not a shard
+    assert len(pages) == 2 and sum(pages, []) == location.list_shards()
+    assert location.parquet_file("x/y/1.parquet").metadata.num_rows == 2
+    assert location.read_bytes("x/report.json") == b"{}"
+    assert location.size("missing.parquet") is None
+    # A failed write leaves no object behind.
+    with pytest.raises(RuntimeError):
+        with location.write_atomic("failed.parquet") as tmp:
+            Path(tmp).write_bytes(b"partial")
+            raise RuntimeError("crash")
+    assert not location.exists("failed.parquet")

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything a fresh machine (Debian, Python 3.11, root or sudo) needs: idempotent, so the
+# README commands can always start with it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+PILLOW_SIMD=pillow-simd==12.1.1.post0
+# pillow-simd builds from source: these headers decide which formats it can read and write.
+APT_PACKAGES="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+if ! dpkg -s $APT_PACKAGES >/dev/null 2>&1; then
+    echo "setup: installing build headers: $APT_PACKAGES"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $APT_PACKAGES >/dev/null
+fi
+
+"$PYTHON" -m pip install -q --disable-pip-version-check --no-binary pillow-simd -e ".[test,ray]"
+
+# Plain Pillow installs the same PIL package; if anything pulled it in, it shadows pillow-simd.
+if "$PYTHON" -m pip show Pillow >/dev/null 2>&1; then
+    echo "setup: removing plain Pillow, which would shadow pillow-simd"
+    "$PYTHON" -m pip uninstall -y -q Pillow
+    "$PYTHON" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps --no-binary pillow-simd "$PILLOW_SIMD"
+fi
+
+# A pillow-simd built before libwebp-dev was present silently lacks WebP: rebuild it, then insist.
+if ! "$PYTHON" -c 'import sys, PIL.features as f; sys.exit(not f.check("webp"))'; then
+    echo "setup: pillow-simd has no WebP support; rebuilding it from source"
+    "$PYTHON" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir --no-binary pillow-simd "$PILLOW_SIMD"
+fi
+"$PYTHON" - <<'PY'
+import sys
+from importlib import metadata
+
+import PIL.features
+
+missing = [name for name in ("webp", "jpg", "zlib", "littlecms2") if not PIL.features.check(name)]
+if missing:
+    sys.exit(f"setup: pillow-simd was built without {missing}; install {'/'.join(missing)} headers and rerun")
+print(f"setup: ok (pillow-simd {metadata.version('pillow-simd')}, WebP {PIL.features.version('webp')})")
+PY
