@@ -101,7 +101,8 @@ def sample_shard_table(
     for row in range(rows):
         seed = shard_index * 100_003 + row
         key = f"shard{shard_index:03d}-img{row:05d}"
-        bad_kind = BAD_ROWS[(row // 7) % len(BAD_ROWS)] if bad_rows and row % 7 == 6 else None
+        # Every fifth row is bad, cycling through the kinds so a few shards hold all of them.
+        bad_kind = BAD_ROWS[(2 * shard_index + row // 5) % len(BAD_ROWS)] if bad_rows and row % 5 == 4 else None
         if bad_kind:
             images.append(bad_image(bad_kind, seed))
             captions.append(None if bad_kind == "null" else make_caption([]))

@@ -31,8 +31,8 @@ class RunSummary:
 class Progress:
     """One line per finished shard: shards done, failures, rows per second."""
 
-    def __init__(self, total: int, stream: TextIO | None = sys.stderr):
-        self.total, self.stream = total, stream
+    def __init__(self, total: int, stream: TextIO | None = None, quiet: bool = False):
+        self.total, self.stream, self.quiet = total, stream, quiet
         self.done = self.failed = self.rows = 0
         self.started = time.monotonic()
 
@@ -42,13 +42,13 @@ class Progress:
             self.failed += 1
         else:
             self.rows += getattr(result, "rows", 0)
-        if self.stream is None:
+        if self.quiet:
             return
         elapsed = max(time.monotonic() - self.started, 1e-9)
         status = f"FAILED: {error}" if error is not None else getattr(result, "status_text", "done")
         print(
             f"[{self.done}/{self.total} shards, {self.failed} failed, {self.rows / elapsed:.1f} rows/s] {rel}: {status}",
-            file=self.stream,
+            file=self.stream or sys.stderr,  # looked up late: callers may redirect stderr
             flush=True,
         )
 

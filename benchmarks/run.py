@@ -1,0 +1,887 @@
+#!/usr/bin/env python3
+"""Benchmark of the fused 512 + 1024 build against a naive pipeline and the decode+encode floor.
+
+    python benchmarks/run.py [--images N] [--workdir D] [--threads 2] [--json out.json]
+    python benchmarks/run.py --webp-methods      # time / bytes / PSNR per WebP method 0..6
+    python benchmarks/run.py --memory            # peak RSS of one ~2 GB shard with 4 threads
+
+The comparison (the default mode) generates a photo-like corpus once (cached in the
+workdir, see corpus.py) and measures in one run, interleaved shard by shard so that the
+noise of a shared machine falls on every pipeline alike:
+
+* naive: per image open, ImageOps.exif_transpose, convert RGB, ImageOps.fit(LANCZOS) to
+  each target size, WebP q95 method 4. It runs on the installed PIL, which in this
+  project is pillow-simd, so this compares algorithmic pipelines on one library.
+* floor: the cheapest decode (JPEG draft to the scale the 1024 output needs) plus the
+  WebP encode of both outputs at the project's settings; only those two are timed
+  (the pixels given to the encoder are made untimed, so the encoder sees the same
+  content as in the project's build).
+* fused: the project's real shard builder, `build_resized_shard`, Parquet in and
+  Parquet out, both outputs from one decode, at method 4 and at the project's default
+  method, with threads=1 and with `--threads` threads.
+
+Every pipeline runs in its own long-lived worker process (this file with --worker);
+its peak RSS is that process's ru_maxrss. Figures are per image and per core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corpus as corpus_mod  # noqa: E402  (benchmarks/corpus.py)
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from PIL import Image, ImageOps, features  # noqa: E402
+
+from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, target_size  # noqa: E402
+from fixed_res_sidecar.core.pixels import PixelOptions  # noqa: E402
+
+AREAS = (AREA_512, AREA_1024)
+AREA_NAMES = {AREA_512: "512", AREA_1024: "1024"}
+AUDIT_PREFIXES = {AREA_512: "0_26mp_process", AREA_1024: "1_05mp_process"}
+PATCH = 32
+QUALITY = 95
+DRAFT_FACTORS = (8, 4, 2)
+DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "fixed-res-sidecar-bench"
+METHODS = tuple(range(7))
+# Targets of issue 6.
+TARGET_VS_NAIVE = 1.6  # fused (method 4, 1 thread) at least this many times faster than naive
+TARGET_VS_FLOOR = 1.15  # fused time at most this many times the floor's
+TARGET_THREADS = 1.8  # threads=2 throughput at least this many times threads=1
+TARGET_RSS_MB = 1500
+PSNR_TOLERANCE_DB = 0.1  # rule for a faster default WebP method
+BYTES_TOLERANCE = 0.01
+
+_ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def log(*parts: Any) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+# ============================================================================ per-image pipelines
+
+
+def naive_one(data: bytes, method: int) -> list[int]:
+    """The naive pipeline of issue 6; returns the encoded size per area."""
+    image = Image.open(io.BytesIO(data))
+    image = ImageOps.exif_transpose(image)
+    image = image.convert("RGB")
+    sizes = []
+    for area in AREAS:
+        small = ImageOps.fit(image, target_size(image.width, image.height, area, PATCH), Image.Resampling.LANCZOS)
+        out = io.BytesIO()
+        small.save(out, "WEBP", quality=QUALITY, method=method)
+        sizes.append(out.tell())
+    return sizes
+
+
+def _orientation(image: Image.Image) -> int:
+    try:
+        value = image.getexif().get(0x0112, 1)
+    except Exception:
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def cheapest_decode(data: bytes) -> tuple[Image.Image, int, list]:
+    """Decode with the largest JPEG draft that still holds the 1024 output's resolution."""
+    image = Image.open(io.BytesIO(data))
+    orientation = _orientation(image)
+    raw_w, raw_h = image.size
+    width, height = (raw_h, raw_w) if orientation in (5, 6, 7, 8) else (raw_w, raw_h)
+    plans = [geometry(width, height, area, PATCH) for area in AREAS]
+    if image.format == "JPEG":
+        allowed = 1 / max(plan.scale for plan in plans)
+        factor = next((f for f in DRAFT_FACTORS if f <= allowed), 1)
+        if factor > 1:
+            image.draft("RGB", (raw_w // factor, raw_h // factor))
+    image.load()
+    return image, orientation, plans
+
+
+def resized_outputs(image: Image.Image, orientation: int, plans: list) -> list[Image.Image]:
+    """Upright RGB outputs (Lanczos of the crop box) from a decoded, possibly drafted, raw image."""
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if orientation in _ORIENTATION_TRANSPOSE:
+        image = image.transpose(_ORIENTATION_TRANSPOSE[orientation])
+    outputs = []
+    for plan in plans:
+        fx = image.width / plan.src_size[0]
+        fy = image.height / plan.src_size[1]
+        box = plan.crop_box
+        outputs.append(
+            image.resize(
+                plan.target_size,
+                Image.Resampling.LANCZOS,
+                box=(box.x0 * fx, box.y0 * fy, box.x1 * fx, box.y1 * fy),
+                reducing_gap=3.0,
+            )
+        )
+    return outputs
+
+
+def encode_webp(image: Image.Image, method: int) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "WEBP", quality=QUALITY, method=method)
+    return out.getvalue()
+
+
+def psnr(reference: np.ndarray, data: bytes) -> float:
+    decoded = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float64)
+    mse = float(np.mean((decoded - reference) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+# ============================================================================ worker process
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    kind: str  # "naive" | "floor" | "fused"
+    method: int
+    threads: int = 1
+    label: str = ""
+
+
+def _cpu() -> float:
+    return time.process_time()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _maxrss_mb(who=resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024  # KiB on Linux
+
+
+class _RssSampler:
+    """Samples this process's RSS every `period` s while running (a timeline for diagnosis)."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.perf_counter()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append((time.perf_counter() - self._start, _rss_mb()))
+
+    def __enter__(self) -> "_RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _shard_images(main: Path, shard: str) -> list[bytes]:
+    table = pq.read_table(main / shard, columns=[corpus_mod.IMAGE_COLUMN])
+    return table.column(0).to_pylist()
+
+
+class _Worker:
+    def __init__(self, pipeline: Pipeline, main: Path, out: Path) -> None:
+        self.p = pipeline
+        self.main = main
+        self.out = out
+
+    def warmup(self, shard: str) -> dict:
+        images = _shard_images(self.main, shard)[:2]
+        for data in images:
+            if self.p.kind == "naive":
+                naive_one(data, self.p.method)
+            elif self.p.kind == "floor":
+                image, orientation, plans = cheapest_decode(data)
+                [encode_webp(o, self.p.method) for o in resized_outputs(image, orientation, plans)]
+            else:
+                from fixed_res_sidecar.core.pixels import process_image
+
+                process_image(data, AREAS, PixelOptions(webp_method=self.p.method))
+        return {"rss_mb": _rss_mb()}
+
+    def run(self, shard: str, sample_rss: bool = False) -> dict:
+        cpu_call, wall_call = _cpu(), time.perf_counter()
+        with _RssSampler() if sample_rss else _nullcontext() as sampler:
+            result = getattr(self, f"_run_{self.p.kind}")(shard)
+        result["call_wall"] = time.perf_counter() - wall_call
+        result["call_cpu"] = _cpu() - cpu_call
+        result["maxrss_mb"] = _maxrss_mb()
+        if sampler is not None:
+            result["rss_timeline"] = sampler.samples
+        return result
+
+    def _run_naive(self, shard: str) -> dict:
+        images = _shard_images(self.main, shard)
+        totals = [0, 0]
+        cpu, wall = _cpu(), time.perf_counter()
+        for data in images:
+            for i, size in enumerate(naive_one(data, self.p.method)):
+                totals[i] += size
+        return {"wall": time.perf_counter() - wall, "cpu": _cpu() - cpu, "images": len(images), "valid": len(images), "bytes": totals}
+
+    def _run_floor(self, shard: str) -> dict:
+        images = _shard_images(self.main, shard)
+        totals = [0, 0]
+        wall = cpu = 0.0
+        for data in images:
+            c, w = _cpu(), time.perf_counter()
+            image, orientation, plans = cheapest_decode(data)
+            wall += time.perf_counter() - w
+            cpu += _cpu() - c
+            outputs = resized_outputs(image, orientation, plans)  # untimed: not part of the floor
+            del image
+            c, w = _cpu(), time.perf_counter()
+            encoded = [encode_webp(o, self.p.method) for o in outputs]
+            wall += time.perf_counter() - w
+            cpu += _cpu() - c
+            for i, e in enumerate(encoded):
+                totals[i] += len(e)
+        return {"wall": wall, "cpu": cpu, "images": len(images), "valid": len(images), "bytes": totals}
+
+    def _run_fused(self, shard: str) -> dict:
+        from fixed_res_sidecar.io.locations import Location
+        from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
+
+        outputs = [ResizedOutput(Location.parse(self.out / AUDIT_PREFIXES[a]), a, AUDIT_PREFIXES[a]) for a in AREAS]
+        options = PixelOptions(webp_method=self.p.method)
+        cpu, wall = _cpu(), time.perf_counter()
+        result = build_resized_shard(
+            Location.parse(self.main),
+            shard,
+            outputs,
+            key_column=corpus_mod.KEY_COLUMN,
+            image_column=corpus_mod.IMAGE_COLUMN,
+            options=options,
+            threads=self.p.threads,
+        )
+        wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+        totals, valid = [], []
+        for output in outputs:
+            prefix = output.audit_prefix
+            table = pq.read_table(self.out / prefix / shard, columns=[f"{prefix}_valid", f"{prefix}_out_bytes"])
+            valid.append(sum(table.column(0).to_pylist()))
+            totals.append(sum(b or 0 for b in table.column(1).to_pylist()))
+        return {"wall": wall, "cpu": cpu, "images": result.rows, "valid": min(valid), "bytes": totals}
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def worker_main(spec: str) -> None:
+    """Serve JSON-line requests on stdin; replies go to the real stdout, anything else to stderr."""
+    params = json.loads(spec)
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    worker = _Worker(Pipeline(**params["pipeline"]), Path(params["main"]), Path(params["out"]))
+    protocol.write(json.dumps({"ready": True, "rss_mb": _rss_mb()}) + "\n")
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        if op == "exit":
+            break
+        try:
+            if op == "warmup":
+                reply = worker.warmup(request["shard"])
+            elif op == "run":
+                reply = worker.run(request["shard"], request.get("sample_rss", False))
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except Exception as exc:  # report, do not hang the parent
+            import traceback
+
+            reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        protocol.write(json.dumps(reply) + "\n")
+
+
+class WorkerProcess:
+    """Parent side of one worker: a subprocess running one pipeline."""
+
+    def __init__(self, pipeline: Pipeline, main: Path, out: Path) -> None:
+        self.pipeline = pipeline
+        spec = json.dumps({"pipeline": dataclasses.asdict(pipeline), "main": str(main), "out": str(out)})
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.ready = self._reply()
+        self.child_maxrss_mb: float | None = None
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.pipeline.name} died (exit {self.proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"worker {self.pipeline.name}: {reply['error']}\n{reply.get('traceback', '')}")
+        return reply
+
+    def call(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        """Stop the worker and read its own peak RSS from the kernel (wait4 rusage)."""
+        if self.proc.returncode is not None:
+            return
+        try:
+            self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        _, status, usage = os.wait4(self.proc.pid, 0)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.child_maxrss_mb = usage.ru_maxrss / 1024
+
+
+# ============================================================================ machine load
+
+
+def _cpu_busy_seconds() -> float:
+    """Busy CPU seconds of the whole machine so far (all cores), from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+# ============================================================================ comparison
+
+
+def pipelines_for(default_method: int, threads: int) -> list[Pipeline]:
+    pipes = [
+        Pipeline("naive_m4", "naive", 4, 1, "naive (open, exif_transpose, RGB, ImageOps.fit Lanczos x2, WebP m4)"),
+        Pipeline("floor_m4", "floor", 4, 1, "floor (draft decode + WebP m4 encode of both, nothing else)"),
+        Pipeline("fused_m4", "fused", 4, 1, "project fused build_resized_shard, m4, threads=1"),
+    ]
+    if default_method != 4:
+        pipes += [
+            Pipeline(f"floor_m{default_method}", "floor", default_method, 1, f"floor at the default method {default_method}"),
+            Pipeline(f"fused_m{default_method}", "fused", default_method, 1, f"project fused, default m{default_method}, threads=1"),
+        ]
+    if threads > 1:
+        pipes.append(
+            Pipeline(
+                f"fused_m{default_method}_t{threads}",
+                "fused",
+                default_method,
+                threads,
+                f"project fused, default m{default_method}, threads={threads}",
+            )
+        )
+    return pipes
+
+
+def run_compare(
+    workdir: Path,
+    images: int,
+    shards: int,
+    threads: int,
+    *,
+    seed: int = 0,
+    profile: str = "photo",
+    style: str = "textured",
+) -> dict:
+    corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
+    default_method = PixelOptions().webp_method
+    pipes = pipelines_for(default_method, threads)
+    out_root = workdir / "out"
+    log(f"compare: {corpus.images} images in {len(corpus.shards)} shards, pipelines: {', '.join(p.name for p in pipes)}")
+    workers = {p.name: WorkerProcess(p, corpus.main, out_root / p.name) for p in pipes}
+    stats: dict[str, dict[str, Any]] = {
+        p.name: {"wall": 0.0, "cpu": 0.0, "images": 0, "valid": 0, "bytes": [0, 0], "per_shard": [], "per_shard_cpu": [], "per_shard_foreign": [], "foreign_cpu": 0.0, "call_wall": 0.0}
+        for p in pipes
+    }
+    load_start = os.getloadavg()
+    started = time.perf_counter()
+    try:
+        for name, worker in workers.items():
+            stats[name]["baseline_rss_mb"] = worker.call(op="warmup", shard=corpus.shards[0])["rss_mb"]
+        for k, shard in enumerate(corpus.shards):
+            order = pipes[k % len(pipes) :] + pipes[: k % len(pipes)]
+            for p in order:
+                busy = _cpu_busy_seconds()
+                r = workers[p.name].call(op="run", shard=shard)
+                busy = _cpu_busy_seconds() - busy
+                s = stats[p.name]
+                for field in ("wall", "cpu", "images", "valid", "call_wall"):
+                    s[field] += r[field]
+                s["bytes"] = [a + b for a, b in zip(s["bytes"], r["bytes"])]
+                s["foreign_cpu"] += max(0.0, busy - r["call_cpu"])
+                s["per_shard"].append(r["wall"])
+                s["per_shard_cpu"].append(r["cpu"])
+                s["per_shard_foreign"].append(max(0.0, busy - r["call_cpu"]) / r["call_wall"])
+                s["maxrss_mb"] = r["maxrss_mb"]
+            log(f"  shard {k + 1}/{len(corpus.shards)} done ({time.perf_counter() - started:.0f} s)")
+    finally:
+        for worker in workers.values():
+            worker.close()
+    for name, worker in workers.items():
+        stats[name]["maxrss_mb"] = worker.child_maxrss_mb or stats[name].get("maxrss_mb")
+
+    results = {}
+    for p in pipes:
+        s = stats[p.name]
+        n = s["images"]
+        results[p.name] = {
+            "label": p.label,
+            "kind": p.kind,
+            "webp_method": p.method,
+            "threads": p.threads,
+            "images": n,
+            "valid": s["valid"],
+            "wall_s": s["wall"],
+            "cpu_s": s["cpu"],
+            "ms_per_image": 1000 * s["wall"] / n,
+            "cpu_ms_per_image": 1000 * s["cpu"] / n,
+            "images_per_s_per_core": n / (s["wall"] * p.threads),
+            "images_per_s": n / s["wall"],
+            "cpu_utilisation": s["cpu"] / s["wall"],
+            "bytes_per_image_512": s["bytes"][0] / n,
+            "bytes_per_image_1024": s["bytes"][1] / n,
+            "peak_rss_mb": s["maxrss_mb"],
+            "baseline_rss_mb": s["baseline_rss_mb"],
+            "foreign_load_cores": s["foreign_cpu"] / s["call_wall"],
+            "per_shard_wall_s": s["per_shard"],
+            "per_shard_cpu_s": s["per_shard_cpu"],
+            "per_shard_foreign_load_cores": s["per_shard_foreign"],
+        }
+    report = {
+        "mode": "compare",
+        "machine": machine_info(),
+        "load_average_start": load_start,
+        "load_average_end": os.getloadavg(),
+        "elapsed_s": time.perf_counter() - started,
+        "corpus": corpus_info(corpus),
+        "settings": {"quality": QUALITY, "default_webp_method": default_method, "patch_size": PATCH, "threads": threads},
+        "pipelines": results,
+    }
+    report["ratios"] = ratios(results, default_method, threads)
+    report["targets"] = compare_targets(report["ratios"])
+    return report
+
+
+def _per_shard_ratio(a: dict, b: dict) -> list[float]:
+    return [x / y for x, y in zip(a["per_shard_wall_s"], b["per_shard_wall_s"])]
+
+
+QUIET_LOAD_CORES = 0.25  # a shard measurement counts as "quiet" when other processes used less than this
+
+
+def _quiet_ratio(a: dict, b: dict) -> tuple[float | None, int]:
+    """Wall-time ratio a/b over the shards where both measurements ran on a quiet machine."""
+    quiet = [
+        i
+        for i, (fa, fb) in enumerate(zip(a["per_shard_foreign_load_cores"], b["per_shard_foreign_load_cores"]))
+        if fa < QUIET_LOAD_CORES and fb < QUIET_LOAD_CORES
+    ]
+    if not quiet:
+        return None, 0
+    return sum(a["per_shard_wall_s"][i] for i in quiet) / sum(b["per_shard_wall_s"][i] for i in quiet), len(quiet)
+
+
+def ratios(results: dict, default_method: int, threads: int) -> dict:
+    naive, floor, fused = results["naive_m4"], results["floor_m4"], results["fused_m4"]
+    out: dict[str, Any] = {}
+
+    def pair(name: str, a: dict, b: dict) -> None:
+        per_shard = _per_shard_ratio(a, b)
+        quiet, quiet_shards = _quiet_ratio(a, b)
+        out[name] = {
+            "wall": a["wall_s"] / b["wall_s"],
+            "wall_quiet_shards": quiet,
+            "quiet_shards": quiet_shards,
+            "cpu": a["cpu_s"] / b["cpu_s"],
+            "per_shard_wall_min": min(per_shard),
+            "per_shard_wall_max": max(per_shard),
+        }
+
+    pair("fused_m4_over_naive_m4", fused, naive)  # time ratio: below 1/1.6 = 0.625 meets the target
+    pair("fused_m4_over_floor_m4", fused, floor)  # time ratio: at most 1.15 meets the target
+    if default_method != 4:
+        d = results[f"fused_m{default_method}"]
+        pair(f"fused_m{default_method}_over_naive_m4", d, naive)
+        pair(f"fused_m{default_method}_over_floor_m{default_method}", d, results[f"floor_m{default_method}"])
+    if threads > 1:
+        single = results["fused_m4"] if default_method == 4 else results[f"fused_m{default_method}"]
+        multi = results[f"fused_m{default_method}_t{threads}"]
+        quiet, quiet_shards = _quiet_ratio(single, multi)
+        out["threads_speedup"] = {
+            "threads": threads,
+            "wall": single["wall_s"] / multi["wall_s"],
+            "wall_quiet_shards": quiet,
+            "quiet_shards": quiet_shards,
+            "per_shard_wall_min": min(1 / r for r in _per_shard_ratio(multi, single)),
+            "per_shard_wall_max": max(1 / r for r in _per_shard_ratio(multi, single)),
+            "cpu_utilisation": multi["cpu_utilisation"],
+            "foreign_load_cores": multi["foreign_load_cores"],
+        }
+    return out
+
+
+def compare_targets(r: dict) -> dict:
+    targets = {
+        "fused_m4_at_least_1.6x_naive": {
+            "speedup_wall": 1 / r["fused_m4_over_naive_m4"]["wall"],
+            "speedup_cpu": 1 / r["fused_m4_over_naive_m4"]["cpu"],
+            "target": TARGET_VS_NAIVE,
+        },
+        "fused_m4_within_1.15x_floor": {
+            "ratio_wall": r["fused_m4_over_floor_m4"]["wall"],
+            "ratio_cpu": r["fused_m4_over_floor_m4"]["cpu"],
+            "target": TARGET_VS_FLOOR,
+        },
+    }
+    targets["fused_m4_at_least_1.6x_naive"]["met_wall"] = targets["fused_m4_at_least_1.6x_naive"]["speedup_wall"] >= TARGET_VS_NAIVE
+    targets["fused_m4_at_least_1.6x_naive"]["met_cpu"] = targets["fused_m4_at_least_1.6x_naive"]["speedup_cpu"] >= TARGET_VS_NAIVE
+    targets["fused_m4_within_1.15x_floor"]["met_wall"] = targets["fused_m4_within_1.15x_floor"]["ratio_wall"] <= TARGET_VS_FLOOR
+    targets["fused_m4_within_1.15x_floor"]["met_cpu"] = targets["fused_m4_within_1.15x_floor"]["ratio_cpu"] <= TARGET_VS_FLOOR
+    if "threads_speedup" in r:
+        t = r["threads_speedup"]
+        targets["threads_speedup_at_least_1.8x"] = {"speedup_wall": t["wall"], "target": TARGET_THREADS, "met_wall": t["wall"] >= TARGET_THREADS}
+    return targets
+
+
+def machine_info() -> dict:
+    def dist(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "pil": f"pillow-simd {dist('pillow-simd')}" if dist("pillow-simd") else f"Pillow {dist('Pillow')}",
+        "libwebp": features.version("webp"),
+        "libjpeg_turbo": features.version_feature("libjpeg_turbo"),
+        "pyarrow": dist("pyarrow"),
+    }
+
+
+def corpus_info(corpus: corpus_mod.Corpus) -> dict:
+    specs = corpus.specs
+    megapixels = [s.megapixels for s in specs]
+    return {
+        "path": str(corpus.root),
+        "images": len(specs),
+        "shards": len(corpus.shards),
+        "jpeg": sum(s.format == "JPEG" for s in specs),
+        "png": sum(s.format == "PNG" for s in specs),
+        "exif_rotated": sum(s.orientation != 1 for s in specs),
+        "long_side_min": min(max(s.width, s.height) for s in specs),
+        "long_side_max": max(max(s.width, s.height) for s in specs),
+        "megapixels_mean": sum(megapixels) / len(specs),
+        "pixel_share_8_30mp": sum(m for m in megapixels if 8 <= m <= 30) / sum(megapixels),
+        "source_bytes": corpus.source_bytes,
+    }
+
+
+def _fmt(value: float | None, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:.3f}{suffix}"
+
+
+def print_compare(report: dict) -> None:
+    m, c, res, r = report["machine"], report["corpus"], report["pipelines"], report["ratios"]
+    print(f"\n## Comparison ({report['elapsed_s']:.0f} s)\n")
+    print(
+        f"machine: {m['affinity']} cores, {m['pil']} (installed as PIL; the naive baseline runs on it too), "
+        f"libwebp {m['libwebp']}, libjpeg-turbo {m['libjpeg_turbo']}; load average {report['load_average_start'][0]:.2f} -> "
+        f"{report['load_average_end'][0]:.2f}"
+    )
+    print(
+        f"corpus: {c['images']} images ({c['jpeg']} JPEG, {c['png']} PNG, {c['exif_rotated']} EXIF-rotated), long sides "
+        f"{c['long_side_min']}-{c['long_side_max']} px, mean {c['megapixels_mean']:.1f} MP, {100 * c['pixel_share_8_30mp']:.0f}% "
+        f"of pixels in 8-30 MP images, {c['source_bytes'] / 1e6:.0f} MB; {c['shards']} shards, pipelines interleaved per shard"
+    )
+    print(f"settings: WebP q{report['settings']['quality']}, project default method {report['settings']['default_webp_method']}\n")
+    print("| pipeline | threads | img/s/core | ms/img (wall) | CPU ms/img | 512 B/img | 1024 B/img | peak RSS MB | other load (cores) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, x in res.items():
+        print(
+            f"| {name} | {x['threads']} | {x['images_per_s_per_core']:.2f} | {x['ms_per_image']:.0f} | {x['cpu_ms_per_image']:.0f} | "
+            f"{x['bytes_per_image_512']:,.0f} | {x['bytes_per_image_1024']:,.0f} | {x['peak_rss_mb']:.0f} | {x['foreign_load_cores']:.2f} |"
+        )
+    print("\ntime ratios (project / reference; wall, CPU, per-shard wall range):")
+    for name, x in r.items():
+        if name == "threads_speedup":
+            print(
+                f"  threads={x['threads']} speed-up over threads=1: {x['wall']:.2f}x, {_fmt(x['wall_quiet_shards'], 'x')} on "
+                f"{x['quiet_shards']} quiet shards (per shard {x['per_shard_wall_min']:.2f}-"
+                f"{x['per_shard_wall_max']:.2f}; CPU use {x['cpu_utilisation']:.2f} cores; other load {x['foreign_load_cores']:.2f} cores)"
+            )
+        else:
+            print(
+                f"  {name}: {x['wall']:.3f} wall, {x['cpu']:.3f} CPU, {_fmt(x['wall_quiet_shards'])} wall on {x['quiet_shards']} "
+                f"quiet shards (per shard wall {x['per_shard_wall_min']:.3f}-{x['per_shard_wall_max']:.3f})"
+            )
+    print("\ntargets:")
+    for name, t in report["targets"].items():
+        print("  " + name + ": " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
+
+
+# ============================================================================ WebP methods
+
+
+def run_webp_methods(workdir: Path, images: int, shards: int, methods: tuple[int, ...], *, seed=0, profile="photo", style="textured", limit=None) -> dict:
+    corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
+    per = {m: {"cpu": [0.0, 0.0], "wall": [0.0, 0.0], "bytes": [0, 0], "psnr": [[], []]} for m in methods}
+    n = 0
+    started = time.perf_counter()
+    for shard in corpus.shards:
+        for data in _shard_images(corpus.main, shard):
+            if limit is not None and n >= limit:
+                break
+            image, orientation, plans = cheapest_decode(data)
+            outputs = resized_outputs(image, orientation, plans)
+            del image
+            references = [np.asarray(o, dtype=np.float64) for o in outputs]
+            order = methods[n % len(methods) :] + methods[: n % len(methods)]
+            for m in order:
+                for i, output in enumerate(outputs):
+                    c, w = time.thread_time(), time.perf_counter()
+                    encoded = encode_webp(output, m)
+                    per[m]["wall"][i] += time.perf_counter() - w
+                    per[m]["cpu"][i] += time.thread_time() - c
+                    per[m]["bytes"][i] += len(encoded)
+                    per[m]["psnr"][i].append(psnr(references[i], encoded))
+            n += 1
+            if n % 20 == 0:
+                log(f"  webp methods: {n} images ({time.perf_counter() - started:.0f} s)")
+    rows = {}
+    for m in methods:
+        x = per[m]
+        rows[m] = {
+            "encode_cpu_ms_per_image": 1000 * sum(x["cpu"]) / n,
+            "encode_cpu_ms_512": 1000 * x["cpu"][0] / n,
+            "encode_cpu_ms_1024": 1000 * x["cpu"][1] / n,
+            "encode_wall_ms_per_image": 1000 * sum(x["wall"]) / n,
+            "bytes_512": x["bytes"][0] / n,
+            "bytes_1024": x["bytes"][1] / n,
+            "psnr_512": float(np.mean(x["psnr"][0])),
+            "psnr_1024": float(np.mean(x["psnr"][1])),
+            "psnr_min_512": float(np.min(x["psnr"][0])),
+            "psnr_min_1024": float(np.min(x["psnr"][1])),
+        }
+    report = {"mode": "webp_methods", "machine": machine_info(), "corpus": corpus_info(corpus), "images": n, "quality": QUALITY, "methods": rows}
+    report["choice"] = choose_method(rows)
+    return report
+
+
+def choose_method(rows: dict) -> dict:
+    """Issue 6's rule: a method faster than 4 becomes default only if within 0.1 dB and +1% bytes of method 4."""
+    if 4 not in rows:
+        return {"default": None, "reason": "method 4 not measured"}
+    ref = rows[4]
+    verdicts = {}
+    for m, x in rows.items():
+        reasons = []
+        if x["encode_cpu_ms_per_image"] >= ref["encode_cpu_ms_per_image"]:
+            reasons.append("not faster")
+        for size in ("512", "1024"):
+            drop = ref[f"psnr_{size}"] - x[f"psnr_{size}"]
+            if drop > PSNR_TOLERANCE_DB:
+                reasons.append(f"PSNR {size} {drop:.2f} dB lower")
+            growth = x[f"bytes_{size}"] / ref[f"bytes_{size}"] - 1
+            if growth > BYTES_TOLERANCE:
+                reasons.append(f"{size} files {100 * growth:.1f}% larger")
+        verdicts[m] = reasons
+    eligible = [m for m, reasons in verdicts.items() if m != 4 and not reasons]
+    best = min(eligible, key=lambda m: rows[m]["encode_cpu_ms_per_image"]) if eligible else 4
+    return {
+        "default": best,
+        "eligible": eligible,
+        "verdicts": {m: (r or ["eligible"]) if m != 4 else ["reference"] for m, r in verdicts.items()},
+    }
+
+
+def print_webp_methods(report: dict) -> None:
+    rows, ref = report["methods"], report["methods"].get(4)
+    print(f"\n## WebP methods (q{report['quality']}, {report['images']} images, encode of both outputs per image)\n")
+    print("| method | encode CPU ms/img | vs m4 | 512 bytes | vs m4 | 1024 bytes | vs m4 | PSNR 512 dB | PSNR 1024 dB | min PSNR 512 / 1024 | rule |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for m, x in rows.items():
+        rel = (lambda key: f"{x[key] / ref[key]:.2f}x") if ref else (lambda key: "")
+        verdict = "; ".join(report["choice"].get("verdicts", {}).get(m, []))
+        print(
+            f"| {m} | {x['encode_cpu_ms_per_image']:.1f} | {rel('encode_cpu_ms_per_image')} | {x['bytes_512']:,.0f} | "
+            f"{rel('bytes_512')} | {x['bytes_1024']:,.0f} | {rel('bytes_1024')} | {x['psnr_512']:.2f} | {x['psnr_1024']:.2f} | "
+            f"{x['psnr_min_512']:.1f} / {x['psnr_min_1024']:.1f} | {verdict} |"
+        )
+    print(f"\nrule (faster, PSNR within {PSNR_TOLERANCE_DB} dB and files at most {100 * BYTES_TOLERANCE:.0f}% larger than m4) -> default method {report['choice']['default']}")
+
+
+# ============================================================================ memory
+
+
+def run_memory(workdir: Path, gigabytes: float, threads: int, *, distinct: int = 8, row_group_rows: int = 100, specs=None) -> dict:
+    corpus = corpus_mod.ensure_memory_corpus(
+        workdir, int(gigabytes * 1e9), distinct=distinct, row_group_rows=row_group_rows, specs=specs, log=log
+    )
+    method = PixelOptions().webp_method
+    pipeline = Pipeline(f"memory_fused_m{method}_t{threads}", "fused", method, threads, "fused build of one large shard")
+    log(f"memory: {corpus.images} rows, {corpus.source_bytes / 1e9:.2f} GB of JPEG in one shard, threads={threads}")
+    worker = WorkerProcess(pipeline, corpus.main, workdir / "out" / pipeline.name)
+    try:
+        warm = worker.call(op="warmup", shard=corpus.shards[0])
+        result = worker.call(op="run", shard=corpus.shards[0], sample_rss=True)
+    finally:
+        worker.close()
+    timeline = result.pop("rss_timeline")
+    step = max(1, len(timeline) // 40)
+    pf = pq.ParquetFile(corpus.main / corpus.shards[0])
+    return {
+        "mode": "memory",
+        "machine": machine_info(),
+        "rows": corpus.images,
+        "row_groups": pf.metadata.num_row_groups,
+        "largest_row_group_mb": max(pf.metadata.row_group(i).total_byte_size for i in range(pf.metadata.num_row_groups)) / 1e6,
+        "source_bytes": corpus.source_bytes,
+        "distinct_images": [f"{s['width']}x{s['height']}" for s in corpus.manifest["specs"][:distinct]],
+        "threads": threads,
+        "webp_method": method,
+        "valid": result["valid"],
+        "wall_s": result["wall"],
+        "images_per_s": result["images"] / result["wall"],
+        "baseline_rss_mb": warm["rss_mb"],
+        "peak_rss_mb": worker.child_maxrss_mb,
+        "peak_rss_mb_self_reported": result["maxrss_mb"],
+        "target_mb": TARGET_RSS_MB,
+        "met": worker.child_maxrss_mb < TARGET_RSS_MB,
+        "rss_timeline": timeline[::step],
+    }
+
+
+def print_memory(report: dict) -> None:
+    print(f"\n## Memory ({report['source_bytes'] / 1e9:.2f} GB shard, {report['rows']} rows in {report['row_groups']} row groups of up to {report['largest_row_group_mb']:.0f} MB, threads={report['threads']})\n")
+    print(
+        f"peak RSS {report['peak_rss_mb']:.0f} MB (process after imports and warm-up: {report['baseline_rss_mb']:.0f} MB), "
+        f"target < {report['target_mb']} MB: {'met' if report['met'] else 'MISSED'}; {report['valid']}/{report['rows']} valid, "
+        f"{report['wall_s']:.0f} s, {report['images_per_s']:.2f} img/s"
+    )
+    print("RSS timeline (s, MB): " + ", ".join(f"{t:.0f}:{r:.0f}" for t, r in report["rss_timeline"]))
+
+
+# ============================================================================ cProfile
+
+
+def run_cprofile(workdir: Path, images: int, shards: int, method: int, *, seed=0, profile="photo", style="textured", top=30) -> str:
+    """cProfile of the fused build (threads=1) over the first shard, in this process."""
+    import cProfile
+    import pstats
+
+    from fixed_res_sidecar.io.locations import Location
+    from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
+
+    corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
+    out = workdir / "out" / "cprofile"
+    outputs = [ResizedOutput(Location.parse(out / AUDIT_PREFIXES[a]), a, AUDIT_PREFIXES[a]) for a in AREAS]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    build_resized_shard(
+        Location.parse(corpus.main), corpus.shards[0], outputs, key_column=corpus_mod.KEY_COLUMN,
+        image_column=corpus_mod.IMAGE_COLUMN, options=PixelOptions(webp_method=method), threads=1,
+    )
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+# ============================================================================ main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=120, help="corpus size (default 120: about 3 minutes on 2 cores)")
+    parser.add_argument("--shards", type=int, default=6, help="corpus shards; pipelines are interleaved per shard")
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"corpus cache and outputs (default {DEFAULT_WORKDIR})")
+    parser.add_argument("--threads", type=int, default=2, help="threads for the multi-threaded fused build (default 2)")
+    parser.add_argument("--json", type=Path, help="also write the full report as JSON here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--style", choices=("textured", "sample"), default="textured", help="corpus content (see corpus.py)")
+    parser.add_argument("--profile", choices=("photo", "tiny"), default="photo", help=argparse.SUPPRESS)
+    parser.add_argument("--compare", action="store_true", help="run the comparison too when --webp-methods/--memory is given")
+    parser.add_argument("--webp-methods", action="store_true", help="time, bytes and PSNR per WebP method")
+    parser.add_argument("--methods", default="0,1,2,3,4,5,6", help="methods for --webp-methods (default 0..6)")
+    parser.add_argument("--webp-images", type=int, help="use only the first N corpus images for --webp-methods")
+    parser.add_argument("--memory", action="store_true", help="peak RSS of a fused build of one ~2 GB shard")
+    parser.add_argument("--memory-gb", type=float, default=2.0)
+    parser.add_argument("--memory-threads", type=int, default=4)
+    parser.add_argument("--memory-row-group-rows", type=int, default=corpus_mod.HF_IMAGE_ROW_GROUP_ROWS)
+    parser.add_argument("--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return {}
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    common = {"seed": args.seed, "profile": args.profile, "style": args.style}
+    report: dict[str, Any] = {}
+    if args.compare or not (args.webp_methods or args.memory or args.cprofile):
+        report["compare"] = run_compare(args.workdir, args.images, args.shards, args.threads, **common)
+        print_compare(report["compare"])
+    if args.webp_methods:
+        methods = tuple(int(m) for m in args.methods.split(","))
+        report["webp_methods"] = run_webp_methods(args.workdir, args.images, args.shards, methods, limit=args.webp_images, **common)
+        print_webp_methods(report["webp_methods"])
+    if args.memory:
+        report["memory"] = run_memory(args.workdir, args.memory_gb, args.memory_threads, row_group_rows=args.memory_row_group_rows)
+        print_memory(report["memory"])
+    if args.cprofile:
+        print(run_cprofile(args.workdir, args.images, args.shards, PixelOptions().webp_method, **common))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from fixed_res_sidecar.cli import main
+
+sys.exit(main())

@@ -1,0 +1,146 @@
+"""`sidecar-ops build-crop-bbox`: the crop-bbox sidecar of every shard of a main dataset (SPEC 6)."""
+
+import argparse
+import functools
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
+from fixed_res_sidecar.io.locations import Location, LocationError
+from fixed_res_sidecar.jobs.crop_bbox import RESOLUTIONS, CropBboxResult, build_crop_bbox_shard, check_output_locations
+from fixed_res_sidecar.jobs.runner import Progress, RunSummary
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "build-crop-bbox",
+        help="move caption boxes into the 512 and 1024 crop frames (the crop-bbox sidecar)",
+        description=(
+            "Read the captions of the main dataset (or of --caption-prefix) and the audit columns of both "
+            "resized datasets, and write structured_description_crop_512, structured_description_crop_1024 "
+            "and bbox_resize_meta per shard. Images are never decoded."
+        ),
+    )
+    parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
+    parser.add_argument("--resized-512-prefix", required=True, help="the 0.26 MP resized dataset")
+    parser.add_argument("--resized-1024-prefix", required=True, help="the 1.05 MP resized dataset")
+    parser.add_argument("--output-prefix", required=True, help="where the sidecar dataset goes")
+    parser.add_argument("--key-column", required=True, help="the key column, e.g. image_key")
+    parser.add_argument("--caption-column", default="structured_description")
+    parser.add_argument(
+        "--caption-prefix", default=None, help="a caption dataset with the main's layout and keys (default: the main)"
+    )
+    parser.add_argument("--audit-prefix-512", default="0_26mp_process")
+    parser.add_argument("--audit-prefix-1024", default="1_05mp_process")
+    parser.add_argument(
+        "--bbox-key",
+        dest="bbox_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=(
+            "a JSON key whose value is a box or a list of boxes; repeat for several "
+            f"(default: {', '.join(DEFAULT_BBOX_KEYS)})"
+        ),
+    )
+    parser.add_argument(
+        "--caption-frame",
+        choices=CAPTION_FRAMES,
+        default="oriented",
+        help="frame of the caption boxes: as displayed (oriented), or the stored pixels before EXIF rotation (raw)",
+    )
+    parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
+    parser.add_argument("--threads", type=int, default=4, help="shards processed at once")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build every shard; 0 when all succeeded, 1 when any failed, 2 on bad configuration."""
+    # Configuration is checked before any shard is touched.
+    try:
+        if args.threads < 1:
+            raise ValueError("--threads must be at least 1")
+        main = Location.parse(args.main_prefix)
+        resized_512 = Location.parse(args.resized_512_prefix)
+        resized_1024 = Location.parse(args.resized_1024_prefix)
+        output = Location.parse(args.output_prefix)
+        captions = Location.parse(args.caption_prefix) if args.caption_prefix else None
+        check_output_locations(main, output, [resized_512, resized_1024, *([captions] if captions else [])])
+    except (ValueError, LocationError) as exc:
+        print(f"sidecar-ops: error: {exc}", file=sys.stderr)
+        return 2
+    shards = main.list_shards()
+    if not shards:
+        print(f"sidecar-ops: error: no *.parquet shards under {main.uri}", file=sys.stderr)
+        return 2
+
+    job = functools.partial(
+        build_crop_bbox_shard,
+        main,
+        resized_512=resized_512,
+        resized_1024=resized_1024,
+        output=output,
+        key_column=args.key_column,
+        caption_column=args.caption_column,
+        caption_location=captions,
+        audit_prefix_512=args.audit_prefix_512,
+        audit_prefix_1024=args.audit_prefix_1024,
+        bbox_keys=tuple(args.bbox_keys or DEFAULT_BBOX_KEYS),
+        caption_frame=args.caption_frame,
+        skip_existing=args.skip_existing,
+    )
+    print(f"{len(shards)} shards under {main.uri} -> {output.uri}", file=sys.stderr)
+    # stream= given here, at call time, so redirected or captured stderr is honoured.
+    summary = run_in_threads(job, shards, args.threads, Progress(len(shards), stream=sys.stderr))
+    print(format_summary(summary))
+    return 0 if summary.ok else 1
+
+
+def run_in_threads(job, shards: list[str], threads: int, progress: Progress) -> RunSummary:
+    """Run `job(rel)` for every shard, at most `threads` at once; a failing shard fails alone.
+
+    Threads, not processes: a shard is mostly Parquet and S3 I/O (pyarrow releases the GIL)
+    plus light JSON work, so worker processes would cost more to start than they save.
+    """
+    started = time.monotonic()
+    summary = RunSummary()
+    queue = list(reversed(shards))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        running: dict = {}
+        while queue or running:
+            while queue and len(running) < threads:
+                rel = queue.pop()
+                running[pool.submit(job, rel)] = rel
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                rel = running.pop(future)
+                try:
+                    result = future.result()
+                except Exception as exc:
+                    summary.failures[rel] = f"{type(exc).__name__}: {exc}"
+                    progress.shard_finished(rel, error=summary.failures[rel])
+                else:
+                    summary.results[rel] = result
+                    progress.shard_finished(rel, result)
+    summary.seconds = time.monotonic() - started
+    return summary
+
+
+def format_summary(summary: RunSummary) -> str:
+    results: list[CropBboxResult] = list(summary.results.values())
+    built = [r for r in results if r.built]
+    lines = [
+        f"crop-bbox shards: {len(results) + len(summary.failures)} total, {len(built)} built, "
+        f"{len(results) - len(built)} skipped, {len(summary.failures)} failed "
+        f"({sum(r.rows for r in results)} rows in {summary.seconds:.1f} s)"
+    ]
+    if built:
+        captions = {status: sum(r.counts["captions"][status] for r in built) for status in built[0].counts["captions"]}
+        lines.append("  captions (built shards): " + ", ".join(f"{status} {n}" for status, n in captions.items()))
+        for name in RESOLUTIONS:
+            totals = {field: sum(r.counts[name][field] for r in built) for field in built[0].counts[name]}
+            lines.append(f"  {name} (built shards): " + ", ".join(f"{field} {n}" for field, n in totals.items()))
+    for rel, reason in sorted(summary.failures.items()):
+        lines.append(f"  FAILED {rel}: {reason}")
+    return "\n".join(lines)

@@ -1,0 +1,411 @@
+"""The datasets file: which main datasets the Dagster layer builds, and how.
+
+One YAML file (`datasets.yaml` at the repo root by default, or the file named by the
+environment variable `SIDECAR_DATASETS`) lists the datasets. It is validated with pydantic
+when the definitions load, and refused as a whole, before any work, with one line per
+problem naming the dataset and the field:
+
+    datasets.yaml: dataset 'laion', field 'outputs.resized_512': output location
+    /data/laion/main/x is at, inside or above the main dataset /data/laion/main; ...
+
+Shape (every field but `name` and `main_prefix` has a default; see datasets.yaml):
+
+    defaults:            # optional: merged into every dataset (a dataset's own values win)
+      run_resources: {cpu: 2, memory_gb: 8}
+    datasets:
+      - name: sample                         # asset key prefix, group, partitions and job names
+        main_prefix: sidecar-demo/main/sample   # read only: a folder or s3://bucket/prefix
+        output_root: sidecar-demo/out        # or give every entry of `outputs` explicitly
+        outputs:
+          resized_512: ...                   # default <output_root>/0_262mp_version_all_in_one/<name>
+          resized_1024: ...                  # default <output_root>/1_05mp_version_all_in_one/<name>
+          crop_bbox: ...                     # default <output_root>/crop_bbox_sidecar/<name>
+          reports: ...                       # default <output_root>/verifier_reports/<name>
+        key_column: image_key
+        ...
+
+Relative local paths are taken relative to the folder holding the datasets file.
+"""
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
+from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.jobs.resize import ResizedOutput
+
+DATASETS_ENV = "SIDECAR_DATASETS"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_DATASETS_FILE = REPO_ROOT / "datasets.yaml"
+
+# Dagster job, sensor and group names allow [A-Za-z0-9_]; asset keys and partition set names
+# are derived from the dataset name too, so it is held to that and must start with a letter.
+NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+OUTPUT_NAMES = ("resized_512", "resized_1024", "crop_bbox", "reports")
+DEFAULT_OUTPUT_FOLDERS = {
+    "resized_512": "0_262mp_version_all_in_one",
+    "resized_1024": "1_05mp_version_all_in_one",
+    "crop_bbox": "crop_bbox_sidecar",
+    "reports": "verifier_reports",
+}
+_PIXEL_DEFAULTS = PixelOptions()
+
+
+class ConfigError(ValueError):
+    """A datasets file that must not be used; the message names each dataset and field at fault."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _resolve_location(value: Any, info: ValidationInfo) -> str:
+    """A location as given: s3:// URIs as they are, local paths made absolute (config-relative)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"must be a local path or an s3:// URI, got {value!r}")
+    text = os.fspath(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    if "://" not in text:
+        base = (info.context or {}).get("base_dir")
+        path = Path(text).expanduser()
+        if not path.is_absolute() and base is not None:
+            text = str(Path(base) / path)
+    try:
+        return Location.parse(text).uri
+    except LocationError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class OutputsConfig(_Strict):
+    """Where each output dataset of one main dataset goes."""
+
+    resized_512: str | None = None
+    resized_1024: str | None = None
+    crop_bbox: str | None = None
+    reports: str | None = None  # verifier JSON reports and overlay pictures
+
+    @field_validator(*OUTPUT_NAMES, mode="before")
+    @classmethod
+    def _location(cls, value: Any, info: ValidationInfo) -> str | None:
+        return None if value is None else _resolve_location(value, info)
+
+
+class LimitsConfig(_Strict):
+    """Per-row source limits (SPEC 3): a row over a limit is audited with its error code."""
+
+    max_source_pixels: int = Field(_PIXEL_DEFAULTS.max_source_pixels, gt=0)
+    max_aspect_ratio: float = Field(_PIXEL_DEFAULTS.max_aspect_ratio, ge=1)
+    min_source_side: int = Field(_PIXEL_DEFAULTS.min_source_side, gt=0)
+
+    @field_validator("max_aspect_ratio")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class RunResources(_Strict):
+    """What one shard run needs; becomes run tags that run launchers and queues read."""
+
+    cpu: float = Field(1, gt=0)
+    memory_gb: float = Field(4, gt=0)
+
+
+class SensorConfig(_Strict):
+    """The shard discovery sensor of one dataset."""
+
+    interval_seconds: int = Field(60, ge=5)
+    default_status: Literal["running", "stopped"] = "stopped"
+    # New shards added (and runs requested) per tick; the next tick continues from the cursor.
+    max_new_shards_per_tick: int = Field(2000, ge=1, le=100_000)
+
+
+class DatasetConfig(_Strict):
+    """One main dataset and everything built from it."""
+
+    name: str
+    main_prefix: str
+    key_column: str = "image_key"
+    image_column: str = "image"
+    caption_column: str = "structured_description"
+    caption_prefix: str | None = None  # a caption dataset with the main's layout and keys
+    caption_frame: Literal["oriented", "raw"] = "oriented"
+    bbox_keys: tuple[str, ...] = DEFAULT_BBOX_KEYS
+    output_root: str | None = None
+    outputs: OutputsConfig = OutputsConfig()
+    audit_prefix_512: str = "0_26mp_process"
+    audit_prefix_1024: str = "1_05mp_process"
+    patch_size: int = Field(_PIXEL_DEFAULTS.patch_size, gt=0, le=4096)
+    square: bool = False
+    output_format: Literal["webp", "jpeg", "png"] = "webp"
+    quality: int = Field(_PIXEL_DEFAULTS.quality, ge=0, le=100)
+    webp_method: int = Field(_PIXEL_DEFAULTS.webp_method, ge=0, le=6)
+    background: tuple[int, int, int] | None = None  # composite transparency on this colour
+    limits: LimitsConfig = LimitsConfig()
+    threads_per_shard: int = Field(1, ge=1, le=256)
+    run_resources: RunResources = RunResources()
+    sensor: SensorConfig = SensorConfig()
+    verify_sample: int = Field(32, ge=0)  # images decoded per shard and resolution
+    overlay_sample: int = Field(3, ge=0, le=50)  # overlay pictures per shard
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError(
+                f"{value!r} cannot name Dagster assets, groups, jobs and sensors: use letters, digits and "
+                "underscores, starting with a letter (at most 63 characters)"
+            )
+        return value
+
+    @field_validator("main_prefix", "output_root", "caption_prefix", mode="before")
+    @classmethod
+    def _location(cls, value: Any, info: ValidationInfo) -> str | None:
+        return None if value is None else _resolve_location(value, info)
+
+    @field_validator("key_column", "image_column", "caption_column", "audit_prefix_512", "audit_prefix_1024")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("bbox_keys")
+    @classmethod
+    def _bbox_keys(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value or any(not k for k in value):
+            raise ValueError("must name at least one non-empty JSON key")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _colour(cls, value: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
+        if value is not None and not all(0 <= c <= 255 for c in value):
+            raise ValueError(f"must be three integers in 0..255, got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _fill_outputs(self) -> "DatasetConfig":
+        given = self.outputs.model_dump()
+        missing = [name for name in OUTPUT_NAMES if given[name] is None]
+        if missing and self.output_root is None:
+            raise ValueError(
+                f"outputs {missing} have no location: give them under 'outputs', or give 'output_root'"
+            )
+        if missing:
+            root = Location.parse(self.output_root)
+            for name in missing:
+                given[name] = Location.parse(root.child(f"{DEFAULT_OUTPUT_FOLDERS[name]}/{self.name}")).uri
+            object.__setattr__(self, "outputs", OutputsConfig.model_validate(given))
+        if self.audit_prefix_512 == self.audit_prefix_1024:
+            raise ValueError("audit_prefix_512 and audit_prefix_1024 must differ")
+        return self
+
+    @field_validator("caption_frame")
+    @classmethod
+    def _caption_frame(cls, value: str) -> str:
+        if value not in CAPTION_FRAMES:  # the Literal above must follow core.bbox
+            raise ValueError(f"must be one of {CAPTION_FRAMES}")
+        return value
+
+    # -- what the Dagster layer uses --------------------------------------------------------
+
+    @cached_property
+    def main(self) -> Location:
+        return Location.parse(self.main_prefix)
+
+    @cached_property
+    def captions(self) -> Location | None:
+        return Location.parse(self.caption_prefix) if self.caption_prefix else None
+
+    def output(self, name: str) -> Location:
+        """`resized_512`, `resized_1024`, `crop_bbox` or `reports`."""
+        return Location.parse(getattr(self.outputs, name))
+
+    @property
+    def resized_512(self) -> ResizedOutput:
+        return ResizedOutput(self.output("resized_512"), AREA_512, self.audit_prefix_512)
+
+    @property
+    def resized_1024(self) -> ResizedOutput:
+        return ResizedOutput(self.output("resized_1024"), AREA_1024, self.audit_prefix_1024)
+
+    def resized(self, resolution: str) -> ResizedOutput:
+        return {"512": self.resized_512, "1024": self.resized_1024}[resolution]
+
+    def report_location(self, what: str) -> Location:
+        """Reports of one kind (`resized_512`, `resized_1024`, `crop_bbox`, `overlays`) under `reports`."""
+        return Location.parse(self.output("reports").child(what))
+
+    def pixel_options(self) -> PixelOptions:
+        return PixelOptions(
+            patch_size=self.patch_size,
+            square=self.square,
+            output_format=self.output_format,
+            quality=self.quality,
+            webp_method=self.webp_method,
+            max_source_pixels=self.limits.max_source_pixels,
+            max_aspect_ratio=self.limits.max_aspect_ratio,
+            min_source_side=self.limits.min_source_side,
+            background=self.background,
+        )
+
+    def location_problems(self) -> list[tuple[str, str]]:
+        """(field, message) for every output that overlaps the main, the captions or another output."""
+        problems = []
+        for name in OUTPUT_NAMES:
+            output = self.output(name)
+            try:
+                check_output_location(self.main, output, name)
+            except LocationError as exc:
+                problems.append((f"outputs.{name}", str(exc)))
+            if self.captions is not None and output.overlaps(self.captions):
+                problems.append(
+                    (f"outputs.{name}", f"{output.uri} is at, inside or above the caption dataset {self.captions.uri}")
+                )
+        for i, first in enumerate(OUTPUT_NAMES):
+            for second in OUTPUT_NAMES[i + 1 :]:
+                if self.output(first).overlaps(self.output(second)):
+                    problems.append(
+                        (
+                            f"outputs.{second}",
+                            f"{self.output(second).uri} is at, inside or above outputs.{first} "
+                            f"({self.output(first).uri}); each output needs its own location",
+                        )
+                    )
+        return problems
+
+
+class SidecarConfig(_Strict):
+    """The whole datasets file."""
+
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    datasets: list[DatasetConfig] = Field(min_length=1)
+
+    def dataset(self, name: str) -> DatasetConfig:
+        for dataset in self.datasets:
+            if dataset.name == name:
+                return dataset
+        raise KeyError(f"no dataset named {name!r}; the config has {[d.name for d in self.datasets]}")
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def datasets_file() -> Path:
+    """The datasets file in use: `$SIDECAR_DATASETS`, else the repo's datasets.yaml."""
+    return Path(os.environ.get(DATASETS_ENV) or DEFAULT_DATASETS_FILE).expanduser().resolve()
+
+
+def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
+    """Read and validate a datasets file; raises ConfigError naming every dataset and field at fault."""
+    file = Path(path).expanduser().resolve() if path is not None else datasets_file()
+    try:
+        raw = yaml.safe_load(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such datasets file (set {DATASETS_ENV} to choose another)") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{file}: not valid YAML: {exc}") from None
+    return parse_config(raw, base_dir=file.parent, source=str(file))
+
+
+def parse_config(raw: Any, base_dir: str | os.PathLike | None = None, source: str = "datasets config") -> SidecarConfig:
+    """Validate an already parsed datasets document (relative paths against `base_dir`)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: expected a mapping with a 'datasets' list, got {type(raw).__name__}")
+    raw = dict(raw)
+    defaults = raw.get("defaults") or {}
+    datasets = raw.get("datasets")
+    if isinstance(defaults, Mapping) and isinstance(datasets, list):
+        raw["datasets"] = [_merged(defaults, d) if isinstance(d, Mapping) else d for d in datasets]
+    context = {"base_dir": str(base_dir) if base_dir is not None else os.getcwd()}
+    try:
+        config = SidecarConfig.model_validate(raw, context=context)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(source, raw, exc)) from None
+    problems = _cross_checks(config)
+    if problems:
+        raise ConfigError(f"{source}: invalid configuration:\n" + "\n".join(f"  {p}" for p in problems))
+    return config
+
+
+def _merged(defaults: Mapping[str, Any], dataset: Mapping[str, Any]) -> dict[str, Any]:
+    """`dataset` over `defaults`, one level of nested mappings deep (outputs, limits, sensor, ...)."""
+    merged = dict(defaults)
+    for key, value in dataset.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def _dataset_label(raw: Mapping[str, Any], index: int) -> str:
+    try:
+        entry = raw["datasets"][index]
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+    except (KeyError, IndexError, TypeError):
+        name = None
+    return f"dataset {name!r}" if isinstance(name, str) and name else f"dataset #{index + 1} (no valid name)"
+
+
+def _format_errors(source: str, raw: Mapping[str, Any], exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = list(error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if len(loc) >= 2 and loc[0] == "datasets" and isinstance(loc[1], int):
+            where = _dataset_label(raw, loc[1])
+            field = ".".join(str(p) for p in loc[2:]) or "(the entry itself)"
+            lines.append(f"{where}, field {field!r}: {message}")
+        else:
+            lines.append(f"field {'.'.join(str(p) for p in loc) or '(top level)'!r}: {message}")
+    return f"{source}: invalid configuration:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _cross_checks(config: SidecarConfig) -> list[str]:
+    """Checks across fields and datasets: names, and outputs against every read-only location."""
+    problems = []
+    seen: dict[str, int] = {}
+    for index, dataset in enumerate(config.datasets):
+        if dataset.name in seen:
+            problems.append(
+                f"dataset {dataset.name!r}, field 'name': the name is used by datasets #{seen[dataset.name] + 1} "
+                f"and #{index + 1}; names must be unique (they name asset keys, groups and partitions)"
+            )
+        seen.setdefault(dataset.name, index)
+        for field, message in dataset.location_problems():
+            problems.append(f"dataset {dataset.name!r}, field {field!r}: {message}")
+    # Across datasets: nothing is written into another dataset's inputs or outputs.
+    for dataset in config.datasets:
+        for other in config.datasets:
+            if other is dataset:
+                continue
+            for name in OUTPUT_NAMES:
+                output = dataset.output(name)
+                if output.overlaps(other.main):
+                    problems.append(
+                        f"dataset {dataset.name!r}, field 'outputs.{name}': {output.uri} is at, inside or above "
+                        f"the main dataset of dataset {other.name!r} ({other.main.uri})"
+                    )
+                if other.name > dataset.name or other.name == dataset.name:
+                    continue  # each pair of outputs once
+                for other_name in OUTPUT_NAMES:
+                    if output.overlaps(other.output(other_name)):
+                        problems.append(
+                            f"dataset {dataset.name!r}, field 'outputs.{name}': {output.uri} overlaps "
+                            f"outputs.{other_name} of dataset {other.name!r} ({other.output(other_name).uri})"
+                        )
+    return problems

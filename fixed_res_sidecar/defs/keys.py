@@ -1,0 +1,71 @@
+"""Every Dagster name of one dataset, derived from its name in one place.
+
+Assets live under a key prefix of the dataset name (`sample/main`, `sample/resized_512`,
+...), in a group of that name, partitioned by a partitions definition of that name.
+Jobs and sensors carry the name as a prefix, so two datasets never share anything.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import dagster as dg
+
+# Run tag that names the dataset: dagster.yaml limits concurrent runs per unique value.
+DATASET_TAG = "sidecar/dataset"
+RESOLUTIONS = ("512", "1024")
+
+
+@dataclass(frozen=True)
+class DatasetKeys:
+    dataset: str
+
+    def asset(self, name: str) -> dg.AssetKey:
+        return dg.AssetKey([self.dataset, name])
+
+    @cached_property
+    def main(self) -> dg.AssetKey:
+        return self.asset("main")
+
+    def resized(self, resolution: str) -> dg.AssetKey:
+        return self.asset(f"resized_{resolution}")
+
+    def verify(self, resolution: str) -> dg.AssetKey:
+        return self.asset(f"verify_{resolution}")
+
+    @cached_property
+    def crop_bbox(self) -> dg.AssetKey:
+        return self.asset("crop_bbox")
+
+    @property
+    def group(self) -> str:
+        return self.dataset
+
+    @property
+    def partitions(self) -> str:
+        """Name of the dataset's DynamicPartitionsDefinition (its shards)."""
+        return f"{self.dataset}_shards"
+
+    @property
+    def shard_job(self) -> str:
+        """Resize, verify and crop one shard (what the sensor requests, what backfills run)."""
+        return f"{self.dataset}__shard"
+
+    @property
+    def dataset_check_job(self) -> str:
+        return f"{self.dataset}__dataset_check"
+
+    @property
+    def discovery_sensor(self) -> str:
+        return f"{self.dataset}__discover_shards"
+
+    @property
+    def automation_sensor(self) -> str:
+        return f"{self.dataset}__automation"
+
+    @property
+    def resized_op(self) -> str:
+        return f"{self.dataset}__resized"
+
+    @property
+    def dataset_check(self) -> dg.AssetCheckKey:
+        return dg.AssetCheckKey(self.main, "dataset_summary")

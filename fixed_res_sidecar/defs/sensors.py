@@ -1,0 +1,240 @@
+"""Sensors: shard discovery per dataset, and the automation that gates `crop_bbox`.
+
+Discovery (`<dataset>__discover_shards`, on the dataset's interval) lists the main prefix
+page by page, adds only shards that are not partitions yet (in chunks of at most 10k keys),
+records an observation of each new shard on `<dataset>/main` (row count, bytes), and
+requests one shard run per new shard. At most `sensor.max_new_shards_per_tick` new shards are
+taken per tick; the cursor remembers where the listing stopped, so the next tick continues
+there, and a listing that reached the end starts over (new shards can appear anywhere in key
+order, e.g. a new date folder). 100,000 shards are therefore added over a few ticks, each
+tick bounded in time and in storage writes.
+
+Automation (`<dataset>__automation`, running by default): evaluates the assets'
+automation conditions, so `crop_bbox` of a shard is built once both verifiers' blocking
+checks passed for that shard, also when they pass in a later run.
+"""
+
+import json
+from collections.abc import Container, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import dagster as dg
+
+from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.partitions import add_requests, partition_key_problem, shard_partitions
+from fixed_res_sidecar.defs.resources import SidecarRuntime, run_tags
+from fixed_res_sidecar.io.locations import Location
+
+LISTING_PAGE_SIZE = 1000
+REFUSED_LOGGED = 20  # refused shard names written to the tick log, per tick
+AUTOMATION_INTERVAL_SECONDS = 30
+
+
+@dataclass
+class ShardCursor:
+    """Where discovery stands: resume the listing after `after` (None: from the start)."""
+
+    after: str | None = None
+    passes: int = 0  # listings that reached the end
+
+    @classmethod
+    def parse(cls, text: str | None) -> "ShardCursor":
+        if not text:
+            return cls()
+        try:
+            data = json.loads(text)
+            return cls(after=data.get("after"), passes=int(data.get("passes", 0)))
+        except (ValueError, TypeError, AttributeError):
+            return cls()  # an unreadable cursor only costs one full listing
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass
+class Discovery:
+    """What one tick found."""
+
+    new: list[str] = field(default_factory=list)  # shards to add, in listing order
+    refused: dict[str, str] = field(default_factory=dict)  # shard -> why it cannot be a partition
+    examined: int = 0  # shards listed and compared this tick
+    complete: bool = False  # the listing reached the end of the prefix
+    cursor: ShardCursor = field(default_factory=ShardCursor)
+
+
+def discover_shards(
+    main: Location,
+    known: Container[str],
+    cursor: ShardCursor | None = None,
+    max_new: int = 2000,
+    page_size: int = LISTING_PAGE_SIZE,
+) -> Discovery:
+    """List `main` after the cursor, page by page, until `max_new` new shards were found.
+
+    Shards already in `known` (the partitions) are passed over; paths that cannot be
+    partition keys are refused with the reason. Listing order is key order on S3 and sorted
+    order locally, so "after" is well defined for both.
+    """
+    cursor = cursor or ShardCursor()
+    found = Discovery(cursor=ShardCursor(after=None, passes=cursor.passes))
+    for page in main.iter_shard_pages(page_size=page_size):
+        if cursor.after is not None and page[-1] <= cursor.after:
+            continue  # wholly before the resume point
+        for rel in page:
+            if cursor.after is not None and rel <= cursor.after:
+                continue
+            found.examined += 1
+            if rel in known:
+                continue
+            problem = partition_key_problem(rel)
+            if problem:
+                found.refused[rel] = problem
+                continue
+            found.new.append(rel)
+            if len(found.new) >= max_new:
+                found.cursor.after = rel
+                return found
+    found.complete = True
+    found.cursor.passes += 1
+    return found
+
+
+def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[str, dict[str, dg.MetadataValue]]:
+    """Per shard: its row count from the Parquet footer, and its bytes (footers read in parallel).
+
+    A shard whose footer cannot be read is still observed, with the error; its shard run
+    will fail with the full message.
+    """
+
+    def observe(rel: str) -> tuple[str, dict[str, dg.MetadataValue]]:
+        metadata = {"uri": dg.MetadataValue.path(main.child(rel))}
+        try:
+            metadata["bytes"] = dg.MetadataValue.int(main.size(rel) or 0)
+            metadata["dagster/row_count"] = dg.MetadataValue.int(main.parquet_file(rel).metadata.num_rows)
+        except Exception as exc:  # unreadable: say so here, the shard run reports it in full
+            metadata["error"] = dg.MetadataValue.text(f"{type(exc).__name__}: {exc}"[:500])
+        return rel, metadata
+
+    if not rels:
+        return {}
+    with ThreadPoolExecutor(max(1, min(threads, len(rels)))) as pool:
+        return dict(pool.map(observe, rels))
+
+
+def main_observations(keys: DatasetKeys, main: Location, rels: list[str], threads: int = 16) -> list[dg.AssetObservation]:
+    """The observations of new shards on `<dataset>/main`, one per partition."""
+    return [
+        dg.AssetObservation(asset_key=keys.main, partition=rel, metadata=metadata)
+        for rel, metadata in observe_shards(main, rels, threads).items()
+    ]
+
+
+def shard_run_request(dataset: DatasetConfig, rel: str) -> dg.RunRequest:
+    """One run that resizes, verifies and crops shard `rel` (the dataset's shard job)."""
+    return dg.RunRequest(
+        run_key=f"shard:{rel}",
+        partition_key=rel,
+        job_name=DatasetKeys(dataset.name).shard_job,
+        tags=run_tags(dataset),
+    )
+
+
+def discovery_tick(
+    dataset: DatasetConfig,
+    known: Container[str],
+    cursor: str | None,
+    observe_threads: int = 16,
+    log=None,
+) -> dg.SensorResult:
+    """Everything one discovery tick does, as a SensorResult (used by the sensor and the demo)."""
+    keys = DatasetKeys(dataset.name)
+    found = discover_shards(
+        dataset.main, known, ShardCursor.parse(cursor), max_new=dataset.sensor.max_new_shards_per_tick
+    )
+    if found.refused and log is not None:
+        for rel, problem in list(found.refused.items())[:REFUSED_LOGGED]:
+            log.error(problem)
+        if len(found.refused) > REFUSED_LOGGED:
+            log.error(f"... and {len(found.refused) - REFUSED_LOGGED} more shards refused as partition keys")
+    if not found.new:
+        where = "end of listing" if found.complete else f"stopped after {found.cursor.after!r}"
+        refused = f"; {len(found.refused)} refused (see the tick log)" if found.refused else ""
+        return dg.SensorResult(
+            skip_reason=f"no new shards under {dataset.main.uri} ({found.examined} listed, {where}){refused}",
+            cursor=found.cursor.to_json(),
+        )
+    if log is not None:
+        log.info(f"{len(found.new)} new shard(s) under {dataset.main.uri}; first: {found.new[0]!r}")
+    return dg.SensorResult(
+        run_requests=[shard_run_request(dataset, rel) for rel in found.new],
+        dynamic_partitions_requests=add_requests(shard_partitions(keys), found.new),
+        asset_events=main_observations(keys, dataset.main, found.new, observe_threads),
+        cursor=found.cursor.to_json(),
+    )
+
+
+def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
+    keys = DatasetKeys(dataset.name)
+    status = dg.DefaultSensorStatus.RUNNING if dataset.sensor.default_status == "running" else dg.DefaultSensorStatus.STOPPED
+
+    @dg.sensor(
+        name=keys.discovery_sensor,
+        job_name=keys.shard_job,
+        minimum_interval_seconds=dataset.sensor.interval_seconds,
+        default_status=status,
+        description=(
+            f"Lists {dataset.main.uri} every {dataset.sensor.interval_seconds} s, adds new shards as partitions "
+            f"of {keys.partitions}, observes them on {keys.main.to_user_string()} and requests a shard run for each."
+        ),
+    )
+    def _discover(context: dg.SensorEvaluationContext, sidecar: SidecarRuntime) -> dg.SensorResult:
+        known = set(context.instance.get_dynamic_partitions(keys.partitions))
+        return discovery_tick(dataset, known, context.cursor, sidecar.observe_threads, context.log)
+
+    return _discover
+
+
+def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDefinition:
+    """Evaluates the automation conditions of one dataset's assets; running by default.
+
+    Open-source Dagster ships its default automation sensor stopped; this one starts with
+    the code location, so the cross-run gate on `crop_bbox` works without a click.
+    """
+    keys = DatasetKeys(dataset.name)
+    return dg.AutomationConditionSensorDefinition(
+        name=keys.automation_sensor,
+        target=dg.AssetSelection.groups(keys.group),
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        minimum_interval_seconds=AUTOMATION_INTERVAL_SECONDS,
+        run_tags=run_tags(dataset),
+        description=(
+            f"Builds {keys.crop_bbox.to_user_string()} of a shard once both verifiers' blocking checks passed "
+            "for it (and re-verifies shards whose resized outputs were rebuilt)."
+        ),
+    )
+
+
+def apply_tick(instance: dg.DagsterInstance, result: dg.SensorResult) -> list[str]:
+    """Do in-process what the sensor daemon does with a tick's result, except launching runs.
+
+    Records the asset events and adds the partitions; returns the added keys. The demo uses
+    this to register shards without a daemon; runs are then executed by the caller.
+    """
+    for event in result.asset_events or []:
+        instance.report_runless_asset_event(event)
+    added: list[str] = []
+    for request in result.dynamic_partitions_requests or []:
+        existing = set(instance.get_dynamic_partitions(request.partitions_def_name))
+        new = [key for key in request.partition_keys if key not in existing]
+        if new:
+            instance.add_dynamic_partitions(request.partitions_def_name, new)
+            added.extend(new)
+    return added
+
+
+def iter_run_partitions(result: dg.SensorResult) -> Iterator[str]:
+    for request in result.run_requests or []:
+        if request.partition_key is not None:
+            yield request.partition_key

@@ -1,0 +1,332 @@
+"""Build the crop-bbox sidecar of one main shard (SPEC 6).
+
+Inputs, read column by column and streamed in batches (never the images): the key and
+caption columns of the main shard (or of a caption dataset with the same layout and keys),
+and the key and audit columns of the 512 and 1024 resized shards. The geometry comes from
+the audits, so nothing is decoded. Output: the key column, the two crop captions and
+`bbox_resize_meta`, row for row, written atomically.
+"""
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fixed_res_sidecar.core.audit import AuditRecord, audit_columns, read_audit_records
+from fixed_res_sidecar.core.bbox import (
+    CAPTION_FRAMES,
+    CROP_BBOX_VERSION,
+    DEFAULT_BBOX_KEYS,
+    BoxCounts,
+    CaptionStatus,
+    RowResult,
+    crop_captions_for_row,
+)
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, read_settings
+
+CROP_COLUMNS = {"512": "structured_description_crop_512", "1024": "structured_description_crop_1024"}
+META_COLUMN = "bbox_resize_meta"
+RESOLUTIONS = ("512", "1024")
+BATCH_ROWS = 4096  # rows read per step; only keys, captions and audit numbers are held
+OUTPUT_ROW_GROUP_ROWS = 16384
+
+
+class CropBboxInputError(RuntimeError):
+    """An input shard that cannot be used for this main shard (missing, wrong rows or keys); names it."""
+
+
+@dataclass
+class CropBboxResult:
+    rel: str
+    status: str  # "built" or "skipped"
+    rows: int
+    # "captions": rows per caption status; "512" / "1024": rows the resize marked invalid
+    # ("invalid_rows") plus box counts over the shard (total, inside, clipped, outside, malformed).
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def built(self) -> bool:
+        return self.status == "built"
+
+    @property
+    def status_text(self) -> str:
+        if not self.built:
+            return f"skipped ({self.rows} rows, up to date)"
+        parts = []
+        for name in RESOLUTIONS:
+            c = self.counts[name]
+            parts.append(
+                f"{name}: {c['total']} boxes ({c['inside']} inside, {c['clipped']} clipped, "
+                f"{c['outside']} outside, {c['malformed']} malformed), {c['invalid_rows']} invalid rows"
+            )
+        captions = self.counts["captions"]
+        return (
+            f"built ({self.rows} rows, {self.seconds:.1f} s; captions: {captions['ok']} ok, "
+            f"{captions['missing']} missing, {captions['invalid_json']} invalid; {'; '.join(parts)})"
+        )
+
+
+def crop_bbox_settings(
+    *,
+    key_column: str,
+    caption_column: str,
+    caption_location: Location | None,
+    audit_prefixes: dict[str, str],
+    bbox_keys: Sequence[str],
+    caption_frame: str,
+    resized_settings: dict[str, Any],
+) -> dict[str, Any]:
+    """Everything that decides the sidecar's bytes; skip-existing compares it.
+
+    The resized shards' own recorded settings are included: when a resized shard is rebuilt
+    differently (another patch size, a square crop), its sidecar is stale and gets rebuilt.
+    """
+    return {
+        "kind": "crop_bbox",
+        "version": CROP_BBOX_VERSION,
+        "key_column": key_column,
+        "caption_column": caption_column,
+        "caption_location": caption_location.uri if caption_location else None,
+        "audit_prefixes": dict(audit_prefixes),
+        "bbox_keys": list(bbox_keys),
+        "caption_frame": caption_frame,
+        "resized_settings": resized_settings,
+    }
+
+
+@dataclass
+class _Input:
+    """One input shard and the columns read from it (the key column first)."""
+
+    role: str  # "main", "caption", "resized 512", "resized 1024"
+    uri: str  # of the shard
+    shard: pq.ParquetFile
+    columns: list[str]
+
+
+class _Tally:
+    """Shard totals for the result: caption statuses, invalid rows and boxes per resolution."""
+
+    def __init__(self) -> None:
+        self.captions = {status.value: 0 for status in CaptionStatus}
+        self.invalid_rows = dict.fromkeys(RESOLUTIONS, 0)
+        self.boxes = {name: BoxCounts() for name in RESOLUTIONS}
+
+    def add(self, row: RowResult, audits: dict[str, AuditRecord]) -> None:
+        self.captions[row.caption_status] += 1
+        for name in RESOLUTIONS:
+            if not audits[name].valid:
+                self.invalid_rows[name] += 1
+            if row.counts[name] is not None:
+                self.boxes[name].merge(row.counts[name])
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {
+            "captions": dict(self.captions),
+            **{name: {"invalid_rows": self.invalid_rows[name], **self.boxes[name].as_dict()} for name in RESOLUTIONS},
+        }
+
+
+def build_crop_bbox_shard(
+    main: Location,
+    rel: str,
+    resized_512: Location,
+    resized_1024: Location,
+    output: Location,
+    *,
+    key_column: str = "image_key",
+    caption_column: str = "structured_description",
+    caption_location: Location | None = None,
+    audit_prefix_512: str = "0_26mp_process",
+    audit_prefix_1024: str = "1_05mp_process",
+    bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
+    caption_frame: str = "oriented",
+    skip_existing: bool = False,
+) -> CropBboxResult:
+    """Write `output/rel`: the crop captions and `bbox_resize_meta` of every row of `main/rel`.
+
+    Raises CropBboxInputError, naming the shard, when an input shard is missing, unreadable,
+    lacks a column, or disagrees with the main shard in row count or keys. Nothing is written
+    then (a mismatch found while streaming aborts the atomic write).
+    """
+    started = time.monotonic()
+    if caption_frame not in CAPTION_FRAMES:
+        raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
+    bbox_keys = tuple(bbox_keys)
+    if not bbox_keys:
+        raise ValueError("bbox_keys must name at least one key")
+    resized = {"512": resized_512, "1024": resized_1024}
+    audit_prefixes = {"512": audit_prefix_512, "1024": audit_prefix_1024}
+    input_locations = [main, *([caption_location] if caption_location else []), *resized.values()]
+    check_output_locations(main, output, input_locations)
+
+    # The caption comes from the main shard unless a caption dataset is configured.
+    main_columns = [key_column] if caption_location else [key_column, caption_column]
+    main_input = _open_input("main", main, rel, main_columns)
+    rows = main_input.shard.metadata.num_rows
+    inputs = [main_input]
+    if caption_location is not None:
+        inputs.append(_open_input("caption", caption_location, rel, [key_column, caption_column], rows))
+    for name in RESOLUTIONS:
+        audit_names = [f.name for f in audit_columns(audit_prefixes[name])]
+        inputs.append(_open_input(f"resized {name}", resized[name], rel, [key_column, *audit_names], rows))
+    caption_input = inputs[1] if caption_location is not None else main_input
+    resized_inputs = dict(zip(RESOLUTIONS, inputs[-2:]))
+
+    settings = crop_bbox_settings(
+        key_column=key_column,
+        caption_column=caption_column,
+        caption_location=caption_location,
+        audit_prefixes=audit_prefixes,
+        bbox_keys=bbox_keys,
+        caption_frame=caption_frame,
+        resized_settings={name: read_settings(i.shard) for name, i in resized_inputs.items()},
+    )
+    if skip_existing and is_up_to_date(output, rel, rows, settings):
+        return CropBboxResult(rel, "skipped", rows, seconds=time.monotonic() - started)
+
+    schema = pa.schema(
+        [
+            main_input.shard.schema_arrow.field(key_column),
+            pa.field(CROP_COLUMNS["512"], pa.string()),
+            pa.field(CROP_COLUMNS["1024"], pa.string()),
+            pa.field(META_COLUMN, pa.string(), nullable=False),
+        ],
+        metadata=encode_settings(settings),
+    )
+    tally = _Tally()
+    main_uri = main.child(rel)
+    with (
+        output.write_atomic(rel, protect=input_locations) as tmp,
+        pq.ParquetWriter(tmp, schema, compression="zstd") as writer,
+    ):
+        pending: list[pa.RecordBatch] = []
+        pending_rows = row_offset = 0
+        for batches in _aligned([_batches(i.shard, i.columns) for i in inputs]):
+            by_role = {i.role: batch for i, batch in zip(inputs, batches)}
+            keys = by_role["main"].column(0)
+            for source in inputs[1:]:
+                _check_keys(keys, by_role[source.role].column(0), row_offset, main_uri, source)
+            audits = {
+                name: read_audit_records(pa.Table.from_batches([by_role[i.role]]), audit_prefixes[name])
+                for name, i in resized_inputs.items()
+            }
+            captions = by_role[caption_input.role].column(1).to_pylist()
+            try:
+                columns = _crop_columns(keys, captions, audits, bbox_keys, caption_frame, tally)
+            except ValueError as exc:  # a resized shard's audit is inconsistent
+                raise CropBboxInputError(f"{main_uri}, rows from {row_offset}: {exc}") from exc
+            pending.append(pa.record_batch(columns, schema=schema))
+            pending_rows += len(keys)
+            row_offset += len(keys)
+            if pending_rows >= OUTPUT_ROW_GROUP_ROWS:
+                writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=OUTPUT_ROW_GROUP_ROWS)
+                pending, pending_rows = [], 0
+        if pending:
+            writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=OUTPUT_ROW_GROUP_ROWS)
+        if row_offset != rows:  # the footers agreed with each other, so a file is corrupt
+            raise CropBboxInputError(f"{main_uri}: read {row_offset} rows, its footer says {rows}")
+    return CropBboxResult(rel, "built", rows, tally.as_dict(), time.monotonic() - started)
+
+
+def _crop_columns(
+    keys: pa.Array,
+    captions: list,
+    audits: dict[str, list[AuditRecord]],
+    bbox_keys: tuple[str, ...],
+    caption_frame: str,
+    tally: _Tally,
+) -> list[pa.Array]:
+    """The sidecar columns for one batch of rows: key, crop 512, crop 1024, meta."""
+    crops: dict[str, list[str | None]] = {name: [] for name in RESOLUTIONS}
+    metas = []
+    for i, caption in enumerate(captions):
+        row_audits = {name: audits[name][i] for name in RESOLUTIONS}
+        try:
+            row = crop_captions_for_row(caption, row_audits, bbox_keys, caption_frame)
+        except ValueError as exc:
+            raise ValueError(f"key {keys[i].as_py()!r}: {exc}") from exc
+        tally.add(row, row_audits)
+        for name in RESOLUTIONS:
+            crops[name].append(row.crops[name])
+        metas.append(row.meta_json())
+    return [keys, *(pa.array(crops[name], pa.string()) for name in RESOLUTIONS), pa.array(metas, pa.string())]
+
+
+def check_output_locations(main: Location, output: Location, inputs: Sequence[Location]) -> None:
+    """Refuse an output at, inside or above the main dataset or any other input."""
+    check_output_location(main, output, "crop-bbox output")
+    for location in inputs:
+        if output.overlaps(location):
+            raise LocationError(
+                f"crop-bbox output location {output.uri} is at, inside or above the input dataset {location.uri}"
+            )
+
+
+def _open_input(
+    role: str, location: Location, rel: str, columns: list[str], expected_rows: int | None = None
+) -> _Input:
+    """Open `location/rel` (footer only), checking it exists, has `columns` and `expected_rows`."""
+    uri = location.child(rel)
+    try:
+        shard = location.parquet_file(rel) if location.exists(rel) else None
+    except Exception as exc:
+        raise CropBboxInputError(f"{role} shard {uri} is not a readable Parquet file ({exc})") from exc
+    if shard is None:
+        raise CropBboxInputError(f"{role} shard {uri} does not exist (build it first)")
+    names = shard.schema_arrow.names
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise CropBboxInputError(f"{role} shard {uri} lacks column(s) {missing}; it has {names}")
+    if expected_rows is not None and shard.metadata.num_rows != expected_rows:
+        raise CropBboxInputError(
+            f"{role} shard {uri} has {shard.metadata.num_rows} rows, the main shard has {expected_rows}"
+        )
+    return _Input(role, uri, shard, columns)
+
+
+def _batches(shard: pq.ParquetFile, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    # use_threads=False: the shards of a run are already processed in parallel.
+    return shard.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
+
+
+def _aligned(sources: list[Iterator[pa.RecordBatch]]) -> Iterator[list[pa.RecordBatch]]:
+    """Batches from every source covering the same rows (their row-group boundaries differ)."""
+    held: list[pa.RecordBatch | None] = [None] * len(sources)
+    while True:
+        for i, source in enumerate(sources):
+            while held[i] is None or held[i].num_rows == 0:
+                held[i] = next(source, None)
+                if held[i] is None:
+                    break
+        if all(batch is None for batch in held):
+            return
+        if any(batch is None for batch in held):
+            raise CropBboxInputError("an input shard ended before the others (its footer row count is wrong)")
+        n = min(batch.num_rows for batch in held)
+        yield [batch.slice(0, n) for batch in held]
+        held = [batch.slice(n) for batch in held]
+
+
+def _check_keys(expected: pa.Array, actual: pa.Array, row_offset: int, main_uri: str, source: _Input) -> None:
+    what = f"{source.role} shard {source.uri}"
+    if not actual.type.equals(expected.type):
+        try:
+            actual = actual.cast(expected.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise CropBboxInputError(
+                f"{what}: key column type {actual.type} does not match the main shard's {expected.type}"
+            ) from exc
+    if actual.equals(expected):
+        return
+    for i, (want, got) in enumerate(zip(expected.to_pylist(), actual.to_pylist())):
+        if want != got:
+            raise CropBboxInputError(
+                f"{what}: key at row {row_offset + i} is {got!r}, the main shard {main_uri} has {want!r}"
+            )
+    raise CropBboxInputError(f"{what}: keys differ from the main shard {main_uri} near row {row_offset}")

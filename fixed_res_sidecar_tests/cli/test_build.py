@@ -1,0 +1,107 @@
+"""The real `sidecar-ops` console script, as a user runs it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from fixed_res_sidecar.cli.build import format_summary
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.jobs.runner import RunSummary
+from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS
+
+SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
+
+
+def sidecar_ops(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*SIDECAR_OPS, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_documented_command_builds_every_shard(sample_main, tmp_path):
+    out = tmp_path / "0_262mp_version_all_in_one" / "sample"
+    # The command data teams run today, minus --use-ray (covered by the Ray tests).
+    args = [
+        "build-0-262mp", "--main-prefix", sample_main.uri, "--output-prefix", str(out),
+        "--key-column", "image_key", "--audit-prefix", "0_26mp_process", "--patch-size", "32",
+        "--skip-existing", "--max-inflight", "32", "--task-cpus", "1", "--task-memory-gb", "12",
+        "--threads-per-shard", "2", "--output-format", "webp", "--quality", "95",
+    ]  # fmt: skip
+    first = sidecar_ops(*args)
+    assert first.returncode == 0, first.stderr
+    assert Location.parse(out).list_shards() == sorted(SHARDS)
+    assert "shards: 3 total, 3 built, 0 skipped, 0 failed (30 rows" in first.stdout
+    assert "0_26mp_process (built shards): valid" in first.stdout and "missing_image" in first.stdout
+    assert "[3/3 shards, 0 failed" in first.stderr
+    second = sidecar_ops(*args)
+    assert second.returncode == 0 and "3 total, 0 built, 3 skipped" in second.stdout
+
+
+def test_fused_command_builds_both_resolutions(sample_main, tmp_path):
+    result = sidecar_ops(
+        "build-both", "--main-prefix", sample_main.uri,
+        "--output-prefix-512", str(tmp_path / "512"), "--output-prefix-1024", str(tmp_path / "1024"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    for folder in ("512", "1024"):
+        assert Location.parse(tmp_path / folder).list_shards() == sorted(SHARDS)
+    table = pq.read_table(tmp_path / "1024" / SHARDS[0])
+    assert "1_05mp_process_valid" in table.column_names
+
+
+def test_a_broken_shard_fails_alone_and_is_named(sample_main, tmp_path):
+    sample_main.write_bytes("zz/broken.parquet", b"PAR1 but not really")
+    out = tmp_path / "out"
+    result = sidecar_ops("build-1-05mp", "--main-prefix", sample_main.uri, "--output-prefix", str(out))
+    assert result.returncode == 1
+    assert "FAILED zz/broken.parquet" in result.stdout and "not a readable Parquet file" in result.stdout
+    assert Location.parse(out).list_shards() == sorted(SHARDS)
+
+
+def test_bad_configuration_is_refused_before_any_work(sample_main, tmp_path):
+    out = tmp_path / "out"
+    cases = [
+        (["--output-prefix", str(out), "--quality", "101"], "quality"),
+        (["--output-prefix", str(out), "--webp-method", "9"], "method"),
+        (["--output-prefix", str(out), "--max-inflight", "0"], "--max-inflight"),
+        (["--output-prefix", sample_main.uri], "read-only"),
+        (["--output-prefix", str(Path(sample_main.path) / "derived")], "read-only"),
+        (["--output-prefix", str(Path(sample_main.path).parent)], "read-only"),
+    ]
+    before = sorted(p for p in Path(sample_main.path).rglob("*"))
+    for extra, message in cases:
+        result = sidecar_ops("build-0-262mp", "--main-prefix", sample_main.uri, *extra)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert message in result.stderr
+    assert not out.exists()
+    assert sorted(p for p in Path(sample_main.path).rglob("*")) == before
+
+
+def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
+    main = Location.parse(tmp_path / "main")
+    write_sample_dataset(main, shards=["big.parquet"], rows_per_shard=64, row_group_size=16,
+                         sizes=((2400, 1800), (1800, 2400)), bad_rows=False)  # fmt: skip
+    out = tmp_path / "out"
+    args = ["build-1-05mp", "--main-prefix", main.uri, "--output-prefix", str(out), "--skip-existing"]
+    process = subprocess.Popen([*SIDECAR_OPS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".big.parquet.*.tmp")):  # the shard is being written
+        assert process.poll() is None and time.monotonic() < deadline, "build ended before it could be killed"
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (out / "big.parquet").exists()
+    rerun = sidecar_ops(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert pq.ParquetFile(out / "big.parquet").metadata.num_rows == 64
+
+
+def test_summary_lists_failures_and_error_codes():
+    assert "1 failed" in format_summary(RunSummary(failures={"x.parquet": "boom"}))
+    assert "FAILED x.parquet: boom" in format_summary(RunSummary(failures={"x.parquet": "boom"}))

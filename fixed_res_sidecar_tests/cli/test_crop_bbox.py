@@ -1,0 +1,100 @@
+"""`build-crop-bbox` on the command line: all shards, progress, summary, exit status."""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from fixed_res_sidecar.cli import crop_bbox
+from fixed_res_sidecar.jobs.settings import SETTINGS_KEY
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="sidecar-ops")
+    crop_bbox.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["build-crop-bbox", *argv])
+    return args.func(args)
+
+
+def cli_args(main, out_512, out_1024, output, *extra) -> list[str]:
+    return [
+        "--main-prefix", main.uri,
+        "--resized-512-prefix", out_512.location.uri,
+        "--resized-1024-prefix", out_1024.location.uri,
+        "--output-prefix", str(output),
+        "--key-column", "image_key",
+        "--threads", "2",
+        *extra,
+    ]  # fmt: skip
+
+
+def test_builds_every_shard_with_progress_and_summary(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    output = tmp_path / "sidecar"
+    assert run_cli(cli_args(main, out_512, out_1024, output)) == 0
+    captured = capsys.readouterr()
+    shards = main.list_shards()
+    progress = [line for line in captured.err.splitlines() if line.startswith("[")]
+    assert len(progress) == len(shards)
+    assert all("built (10 rows" in line for line in progress)
+    assert f"crop-bbox shards: {len(shards)} total, {len(shards)} built, 0 skipped, 0 failed (30 rows" in captured.out
+    assert "captions (built shards): ok 27, missing 3, invalid_json 0" in captured.out
+    for rel in shards:
+        assert pq.read_metadata(output / rel).num_rows == 10
+
+    # Again with --skip-existing: nothing to do.
+    assert run_cli(cli_args(main, out_512, out_1024, output, "--skip-existing")) == 0
+    assert f"0 built, {len(shards)} skipped, 0 failed" in capsys.readouterr().out
+
+
+def test_a_failing_shard_does_not_stop_the_others(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    shards = main.list_shards()
+    broken = shards[1]
+    os.remove(out_512.location.child(broken))
+    output = tmp_path / "sidecar"
+    assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
+    out = capsys.readouterr().out
+    assert f"{len(shards) - 1} built, 0 skipped, 1 failed" in out
+    assert f"FAILED {broken}: CropBboxInputError: resized 512 shard" in out
+    written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*.parquet"))
+    assert written == [rel for rel in shards if rel != broken]
+
+
+def test_options_reach_the_job(sample_build, tmp_path):
+    main, (out_512, out_1024) = sample_build
+    output = tmp_path / "sidecar"
+    extra = ["--caption-frame", "raw", "--bbox-key", "bbox", "--audit-prefix-512", "0_26mp_process"]
+    assert run_cli(cli_args(main, out_512, out_1024, output, *extra)) == 0
+    settings = json.loads(pq.read_schema(output / main.list_shards()[0]).metadata[SETTINGS_KEY])
+    assert settings["caption_frame"] == "raw"
+    assert settings["bbox_keys"] == ["bbox"]
+    assert settings["caption_column"] == "structured_description"
+
+
+def test_bad_configuration_does_no_work(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    inside_main = Path(main.path, "sidecar")
+    assert run_cli(cli_args(main, out_512, out_1024, inside_main)) == 2
+    assert "read-only" in capsys.readouterr().err
+    assert not inside_main.exists()
+
+    assert run_cli(cli_args(main, out_512, out_1024, out_1024.location.uri)) == 2
+    assert "input dataset" in capsys.readouterr().err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = cli_args(main, out_512, out_1024, tmp_path / "sidecar")
+    args[args.index("--main-prefix") + 1] = str(empty)
+    assert run_cli(args) == 2
+    assert "no *.parquet shards" in capsys.readouterr().err
+
+
+def test_through_the_sidecar_ops_dispatcher(sample_build, tmp_path, capsys):
+    from fixed_res_sidecar.cli import main as sidecar_ops
+
+    main, (out_512, out_1024) = sample_build
+    assert sidecar_ops(["build-crop-bbox", *cli_args(main, out_512, out_1024, tmp_path / "sidecar")]) == 0
+    assert "0 failed" in capsys.readouterr().out

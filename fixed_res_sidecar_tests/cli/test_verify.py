@@ -1,0 +1,141 @@
+"""`verify-resized` and `verify-crop-bbox` through their own argparse parsers, on real builds."""
+
+import argparse
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fixed_res_sidecar.cli import verify as verify_cli
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, build_crop_bbox_shard
+
+REL = "nested/b/part-00002.parquet"
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="sidecar-ops")
+    verify_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([str(a) for a in argv])
+    return args.func(args)
+
+
+@pytest.fixture
+def paths(sample_build, tmp_path) -> dict[str, Path]:
+    main, (out_512, out_1024) = sample_build
+    sidecar = Location.parse(tmp_path / "sidecar")
+    for rel in main.list_shards():
+        build_crop_bbox_shard(main, rel, out_512.location, out_1024.location, sidecar)
+    return {
+        "main": Path(main.path),
+        "512": Path(out_512.location.path),
+        "1024": Path(out_1024.location.path),
+        "sidecar": Path(sidecar.path),
+    }
+
+
+def resized_args(paths, resolution="512", *extra):
+    prefix = {"512": "0_26mp_process", "1024": "1_05mp_process"}[resolution]
+    return ("verify-resized", "--main-prefix", paths["main"], "--output-prefix", paths[resolution],
+            "--key-column", "image_key", "--audit-prefix", prefix, *extra)
+
+
+def crop_args(paths, *extra):
+    return ("verify-crop-bbox", "--main-prefix", paths["main"], "--resized-512-prefix", paths["512"],
+            "--resized-1024-prefix", paths["1024"], "--sidecar-prefix", paths["sidecar"], "--key-column", "image_key", *extra)
+
+
+def test_verify_resized_passes_and_writes_the_full_report(paths, tmp_path, capsys):
+    report_file = tmp_path / "reports" / "512.json"
+    assert run(*resized_args(paths, "512", "--report", report_file)) == 0
+    out = capsys.readouterr().out
+    assert "shards: 3 checked, 3 passed, 0 failed; rows: 30" in out
+    assert "counts: missing_image 3" in out and "invalid examples:" in out
+    assert out.strip().endswith("PASSED")
+    document = json.loads(report_file.read_text())
+    assert document["passed"] is True and document["command"] == "verify-resized"
+    assert [s["rel"] for s in document["shards"]] == sorted(s["rel"] for s in document["shards"])
+    assert all(s["target_area"] == 262144 and s["passed"] for s in document["shards"])
+    assert document["dataset"]["outputs"]["512"]["missing"] == []
+    assert document["dataset"]["main"]["shards"] == 3
+
+
+def test_verify_resized_fails_naming_the_damaged_shard(paths, capsys):
+    path = paths["1024"] / REL
+    table = pq.read_table(path)
+    keys = table.column("image_key").to_pylist()
+    keys[0], keys[1] = keys[1], keys[0]
+    pq.write_table(table.set_column(0, table.schema.field(0), pa.array(keys, table.schema.field(0).type)), path)
+    assert run(*resized_args(paths, "1024")) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED keys_match on {REL}: {path}: row 0" in out
+    assert "2 passed, 1 failed" in out and out.strip().endswith("FAILED")
+
+
+def test_verify_resized_reports_missing_shards(paths, capsys):
+    (paths["512"] / REL).unlink()
+    assert run(*resized_args(paths, "512", "--threads", "1")) == 1
+    out = capsys.readouterr().out
+    assert f"512: 2 shards" in out and f"missing 1: {REL}" in out
+    assert f"FAILED shard_complete on {REL}: output shard {paths['512'] / REL} is missing" in out
+
+
+def test_verify_resized_one_shard_and_explicit_target_area(paths, capsys):
+    assert run(*resized_args(paths, "1024", "--shard", REL, "--target-area", "1048576", "--sample", "2")) == 0
+    assert "shards: 1 checked, 1 passed" in capsys.readouterr().out
+    # The wrong target area fails the sampled-image check.
+    assert run(*resized_args(paths, "1024", "--shard", REL, "--target-area", "262144")) == 1
+    assert "FAILED sample_images on" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (("--audit-prefix", "custom_process"), "no default target area"),
+        (("--sample", "0"), "--sample must be at least 1"),
+        (("--shard", "nope.parquet"), "not shards of"),
+    ],
+)
+def test_verify_resized_usage_errors(paths, capsys, extra, message):
+    assert run(*resized_args(paths, "512", *extra)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_inside_main_is_refused_before_any_work(paths, capsys):
+    assert run(*resized_args(paths, "512", "--report", paths["main"] / "report.json")) == 2
+    assert "read-only" in capsys.readouterr().err
+    assert not (paths["main"] / "report.json").exists()
+
+
+def test_verify_crop_bbox_passes_with_overlays(paths, tmp_path, capsys):
+    overlays = tmp_path / "overlays"
+    report_file = tmp_path / "crop.json"
+    code = run(*crop_args(paths, "--overlay-dir", overlays, "--overlay-sample", "2", "--report", report_file))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "counts: " in out and "caption_missing" in out
+    assert "overlays: 6 picture(s)" in out
+    assert len(list(overlays.rglob("*.png"))) == 6
+    document = json.loads(report_file.read_text())
+    assert document["passed"] and set(document["dataset"]["outputs"]) == {"512", "1024", "sidecar"}
+
+
+def test_verify_crop_bbox_fails_on_an_out_of_range_box(paths, capsys):
+    path = paths["sidecar"] / REL
+    table = pq.read_table(path)
+    column = CROP_COLUMNS["1024"]
+    crops = table.column(column).to_pylist()
+    row = next(i for i, text in enumerate(crops) if text)
+    crops[row] = json.dumps({"objects": [{"bbox": [0, 0, 500, 1200]}]})
+    index = table.schema.get_field_index(column)
+    pq.write_table(table.set_column(index, table.schema.field(index), pa.array(crops, pa.string())), path)
+    assert run(*crop_args(paths)) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED boxes_valid on {REL}: {path}: 1 bad box(es); row {row}" in out
+
+
+def test_verify_crop_bbox_refuses_an_overlay_dir_inside_main(paths, capsys):
+    assert run(*crop_args(paths, "--overlay-dir", paths["main"] / "overlays")) == 2
+    assert "read-only" in capsys.readouterr().err
