@@ -220,7 +220,7 @@ class _Worker:
         self.out = out
 
     def warmup(self, shard: str) -> dict:
-        images = _shard_images(self.main, shard)[:2]
+        images = _shard_images(self.main, shard)[:1]
         for data in images:
             if self.p.kind == "naive":
                 naive_one(data, self.p.method)
@@ -759,6 +759,7 @@ def print_webp_methods(report: dict) -> None:
 
 
 def run_memory(workdir: Path, gigabytes: float, threads: int, *, distinct: int = 8, row_group_rows: int = 100, specs=None) -> dict:
+    distinct = len(specs) if specs is not None else distinct
     corpus = corpus_mod.ensure_memory_corpus(
         workdir, int(gigabytes * 1e9), distinct=distinct, row_group_rows=row_group_rows, specs=specs, log=log
     )
@@ -874,7 +875,10 @@ def main(argv=None) -> dict:
         report["webp_methods"] = run_webp_methods(args.workdir, args.images, args.shards, methods, limit=args.webp_images, **common)
         print_webp_methods(report["webp_methods"])
     if args.memory:
-        report["memory"] = run_memory(args.workdir, args.memory_gb, args.memory_threads, row_group_rows=args.memory_row_group_rows)
+        specs = corpus_mod.corpus_specs(3, args.seed, "tiny") if args.profile == "tiny" else None
+        report["memory"] = run_memory(
+            args.workdir, args.memory_gb, args.memory_threads, row_group_rows=args.memory_row_group_rows, specs=specs
+        )
         print_memory(report["memory"])
     if args.cprofile:
         print(run_cprofile(args.workdir, args.images, args.shards, PixelOptions().webp_method, **common))

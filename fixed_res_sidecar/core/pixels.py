@@ -65,6 +65,8 @@ DRAFT_FACTORS = (8, 4, 2)
 INTERMEDIATE_MIN_RATIO = 1.75
 
 OUTPUT_FORMATS = {"webp": "WEBP", "jpeg": "JPEG", "png": "PNG"}
+# zlib level for PNG output: level 6 (Pillow's default) takes 2.4x as long for files ~4% smaller.
+PNG_COMPRESS_LEVEL = 1
 # Largest side each encoder can write.
 ENCODER_MAX_SIDE = {"webp": 16383, "jpeg": 65535, "png": 2**31 - 1}
 
@@ -184,6 +186,17 @@ def process_image(data: bytes | None, areas: Sequence[int], options: PixelOption
     except Exception as exc:  # last line of defence: a bad row must never stop a shard
         err = _RowError(ErrorCode.DECODE_ERROR, _describe(exc))
         return [_invalid(known, err) for _ in areas]
+
+
+def pipeline_settings() -> dict[str, object]:
+    """Fixed choices of this pipeline that decide output bytes besides PixelOptions (for build settings)."""
+    return {
+        "resample": RESAMPLE_NAME,
+        "reducing_gap": REDUCING_GAP,
+        "draft_margin": DRAFT_MARGIN,
+        "intermediate_min_ratio": INTERMEDIATE_MIN_RATIO,
+        "png_compress_level": PNG_COMPRESS_LEVEL,
+    }
 
 
 def library_versions() -> dict[str, str]:
@@ -614,7 +627,7 @@ def _encode(image: Image.Image, options: PixelOptions) -> bytes:
     elif options.output_format == "jpeg":
         image.save(buffer, "JPEG", quality=options.quality)
     else:
-        image.save(buffer, "PNG")
+        image.save(buffer, "PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
 
 

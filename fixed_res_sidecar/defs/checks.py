@@ -176,7 +176,7 @@ def summarize_dataset(dataset: DatasetConfig) -> tuple[bool, dict[str, Any], str
         if part["extra"]:
             metadata[f"{name}_extra_shards"] = part["extra"][:LISTED_MISSING]
             problems.append(f"{name}: {len(part['extra'])} shards with no main shard")
-    unusable = sorted(rel for rel in verify.shard_sizes(dataset.main) if partition_key_problem(rel))
+    unusable = sorted(rel for rel in dataset.main.shard_sizes() if partition_key_problem(rel))
     if unusable:
         metadata["unpartitionable_shards"] = unusable[:LISTED_MISSING]
         problems.append(f"{len(unusable)} main shards cannot be partition keys (see the discovery sensor's log)")

@@ -99,6 +99,18 @@ class Location:
 
     def iter_shard_pages(self, suffix: str = SHARD_SUFFIX, page_size: int = 1000) -> Iterator[list[str]]:
         """Relative paths of shards at any depth, in pages (S3 lists in key order, 1000 a page)."""
+        for page in self._iter_shard_entries(suffix, page_size):
+            yield [rel for rel, _ in page]
+
+    def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
+        """Every shard's relative path at any depth, sorted."""
+        return list(self.shard_sizes(suffix))
+
+    def shard_sizes(self, suffix: str = SHARD_SUFFIX) -> dict[str, int]:
+        """rel -> bytes of every shard, sorted by rel (what `aws s3 ls --recursive` shows)."""
+        return dict(sorted(entry for page in self._iter_shard_entries(suffix, 1000) for entry in page))
+
+    def _iter_shard_entries(self, suffix: str, page_size: int) -> Iterator[list[tuple[str, int]]]:
         if self.is_s3:
             paginator = s3_client().get_paginator("list_objects_v2")
             prefix = f"{self.path}/" if self.path else ""
@@ -106,30 +118,23 @@ class Location:
                 Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}
             )
             for page in pages:
-                rels = [obj["Key"][len(prefix) :] for obj in page.get("Contents", [])]
-                rels = [r for r in rels if _is_shard(r, suffix)]
-                if rels:
-                    yield rels
+                entries = [(obj["Key"][len(prefix) :], obj["Size"]) for obj in page.get("Contents", [])]
+                entries = [(rel, size) for rel, size in entries if _is_shard(rel, suffix)]
+                if entries:
+                    yield entries
             return
-        rels = self.list_shards(suffix)
-        for start in range(0, len(rels), page_size):
-            yield rels[start : start + page_size]
-
-    def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
-        """Every shard's relative path at any depth, sorted."""
-        if self.is_s3:
-            return sorted(rel for page in self.iter_shard_pages(suffix) for rel in page)
         root = Path(self.path)
-        if not root.is_dir():
-            return []
         found = []
         for folder, dirs, files in os.walk(root):
             dirs[:] = [d for d in dirs if not d.startswith(".")]
             for name in files:
-                rel = Path(folder, name).relative_to(root).as_posix()
+                path = Path(folder, name)
+                rel = path.relative_to(root).as_posix()
                 if _is_shard(rel, suffix):
-                    found.append(rel)
-        return sorted(found)
+                    found.append((rel, path.stat().st_size))
+        found.sort()
+        for start in range(0, len(found), page_size):
+            yield found[start : start + page_size]
 
     # -- reading -------------------------------------------------------------------
 

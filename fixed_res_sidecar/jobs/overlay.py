@@ -149,23 +149,19 @@ def panel_width(width: int, height: int, panel_height: int = PANEL_HEIGHT) -> in
 
 
 def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame) -> _Panel:
-    image, problem = _decode(data)
+    image, problem = _decode(data, draft_to=panel_height)
     if image is None:
         return _placeholder(f"{label}: {problem}", panel_height)
+    full_size = image.info.get("full_size", image.size)  # before shrink-on-load
     orientation = _exif_orientation(image)
     try:
         upright = ImageOps.exif_transpose(image)
     except Exception:  # broken EXIF: show the stored pixels
         upright, orientation = image, 1
-    title = f"{label} {upright.width}x{upright.height}"
-    if orientation != 1:
-        title += f" (EXIF {orientation})"
-    parsed, caption_problem = _parse_caption(caption)
-    boxes = []
-    for slot in iter_box_slots(parsed, bbox_keys) if parsed is not None else ():
-        box = parse_box(slot.value)
-        if box is not None:
-            boxes.append((slot, raw_box_to_oriented(box, orientation) if raw_frame else box))
+    width, height = full_size[::-1] if orientation in (5, 6, 7, 8) else full_size
+    title = f"{label} {width}x{height}" + (f" (EXIF {orientation})" if orientation != 1 else "")
+    move = (lambda box: raw_box_to_oriented(box, orientation)) if raw_frame else None
+    boxes, caption_problem = _panel_boxes(caption, bbox_keys, move)
     title += f", {len(boxes)} boxes" if caption_problem is None else f", caption {caption_problem}"
     return _Panel(title, _scaled(upright, panel_height), boxes)
 
@@ -174,23 +170,39 @@ def _resized_panel(data, crop_caption, label, panel_height, bbox_keys) -> _Panel
     image, problem = _decode(data)
     if image is None:
         return _placeholder(f"{label}: {problem}", panel_height)
+    boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys)
     title = f"{label} {image.width}x{image.height}"
-    parsed, caption_problem = _parse_caption(crop_caption)
-    boxes = []
-    for slot in iter_box_slots(parsed, bbox_keys) if parsed is not None else ():
-        box = parse_box(slot.value)
-        if box is not None:
-            boxes.append((slot, box))
     title += f", {len(boxes)} boxes" if caption_problem is None else f", crop caption {caption_problem}"
     return _Panel(title, _scaled(image, panel_height), boxes)
 
 
-def _decode(data: bytes | None) -> tuple[Image.Image | None, str | None]:
+def _panel_boxes(caption: str | None, bbox_keys, move=None) -> tuple[list, str | None]:
+    """(slot, box) for every drawable box of a caption, and what is wrong with the caption."""
+    if caption is None:
+        return [], "missing"
+    try:
+        parsed = json.loads(caption)
+    except (TypeError, ValueError):
+        return [], "invalid JSON"
+    boxes = []
+    for slot in iter_box_slots(parsed, bbox_keys):
+        box = parse_box(slot.value)
+        if box is not None:
+            boxes.append((slot, move(box) if move else box))
+    return boxes, None
+
+
+def _decode(data: bytes | None, draft_to: int | None = None) -> tuple[Image.Image | None, str | None]:
     if not data:
         return None, "no image"
     try:
         image = Image.open(io.BytesIO(data))
+        full_size = image.size
+        if draft_to and image.format == "JPEG":
+            # Shrink-on-load: both sides stay >= the panel height, enough in either orientation.
+            image.draft("RGB", (draft_to, draft_to))
         image.load()
+        image.info["full_size"] = full_size
         return image, None
     except Exception as exc:
         return None, f"does not decode ({type(exc).__name__})"
@@ -202,15 +214,6 @@ def _exif_orientation(image: Image.Image) -> int:
     except Exception:
         return 1
     return value if value in range(1, 9) else 1
-
-
-def _parse_caption(text: str | None) -> tuple[Any, str | None]:
-    if text is None:
-        return None, "missing"
-    try:
-        return json.loads(text), None
-    except (TypeError, ValueError):
-        return None, "invalid JSON"
 
 
 def _scaled(image: Image.Image, panel_height: int) -> Image.Image:

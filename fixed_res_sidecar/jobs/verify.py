@@ -29,11 +29,9 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import PurePosixPath
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from PIL import Image
 
@@ -820,33 +818,18 @@ def _safe_name(key: Any) -> str:
 # -- dataset summary ---------------------------------------------------------------
 
 
-def shard_sizes(location: Location) -> dict[str, int]:
-    """rel -> size in bytes of every shard (what `aws s3 ls --recursive` lists for *.parquet)."""
-    root = f"{location.bucket}/{location.path}".rstrip("/") if location.is_s3 else location.path
-    selector = pafs.FileSelector(root, recursive=True, allow_not_found=True)
-    sizes = {}
-    for info in location.filesystem.get_file_info(selector):
-        if info.type != pafs.FileType.File:
-            continue
-        rel = PurePosixPath(info.path).relative_to(PurePosixPath(root)).as_posix()
-        # Same rule as shard listing: *.parquet, no hidden parts (temporaries of atomic writes).
-        if rel.endswith(SHARD_SUFFIX) and not any(part.startswith(".") for part in rel.split("/")):
-            sizes[rel] = info.size
-    return dict(sorted(sizes.items()))
-
-
 def dataset_summary(main: Location, outputs: dict[str, Location]) -> dict[str, Any]:
     """Shard counts and total bytes of main and each output, and the shards each output lacks.
 
     `outputs` maps a name ("512", "1024", "sidecar", ...) to its location.
     """
-    main_sizes = shard_sizes(main)
+    main_sizes = main.shard_sizes()
     summary: dict[str, Any] = {
         "main": {"location": main.uri, "shards": len(main_sizes), "total_bytes": sum(main_sizes.values())},
         "outputs": {},
     }
     for name, location in outputs.items():
-        sizes = shard_sizes(location)
+        sizes = location.shard_sizes()
         summary["outputs"][name] = {
             "location": location.uri,
             "shards": len(sizes),

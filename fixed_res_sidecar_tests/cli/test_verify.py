@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
@@ -9,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.cli import verify as verify_cli
+from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, build_crop_bbox_shard
 
@@ -52,9 +54,16 @@ def test_verify_resized_passes_and_writes_the_full_report(paths, tmp_path, capsy
     assert run(*resized_args(paths, "512", "--report", report_file)) == 0
     out = capsys.readouterr().out
     assert "shards: 3 checked, 3 passed, 0 failed; rows: 30" in out
-    assert "counts: missing_image 3" in out and "invalid examples:" in out
     assert out.strip().endswith("PASSED")
     document = json.loads(report_file.read_text())
+    # The counts line sums the per-shard counts per error code.
+    totals = Counter()
+    for shard in document["shards"]:
+        totals.update(shard["error_counts"])
+    assert set(totals) <= set(ERROR_CODES) and sum(totals.values()) >= 3
+    assert "counts: " + ", ".join(f"{code} {n}" for code, n in sorted(totals.items())) in out
+    assert f"valid: {30 - sum(totals.values())}, invalid: {sum(totals.values())}" in out
+    assert "invalid examples:" in out
     assert document["passed"] is True and document["command"] == "verify-resized"
     assert [s["rel"] for s in document["shards"]] == sorted(s["rel"] for s in document["shards"])
     assert all(s["target_area"] == 262144 and s["passed"] for s in document["shards"])
@@ -78,7 +87,7 @@ def test_verify_resized_reports_missing_shards(paths, capsys):
     (paths["512"] / REL).unlink()
     assert run(*resized_args(paths, "512", "--threads", "1")) == 1
     out = capsys.readouterr().out
-    assert f"512: 2 shards" in out and f"missing 1: {REL}" in out
+    assert "512: 2 shards" in out and f"missing 1: {REL}" in out
     assert f"FAILED shard_complete on {REL}: output shard {paths['512'] / REL} is missing" in out
 
 
@@ -115,11 +124,12 @@ def test_verify_crop_bbox_passes_with_overlays(paths, tmp_path, capsys):
     code = run(*crop_args(paths, "--overlay-dir", overlays, "--overlay-sample", "2", "--report", report_file))
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "counts: " in out and "caption_missing" in out
     assert "overlays: 6 picture(s)" in out
     assert len(list(overlays.rglob("*.png"))) == 6
     document = json.loads(report_file.read_text())
     assert document["passed"] and set(document["dataset"]["outputs"]) == {"512", "1024", "sidecar"}
+    assert all(shard["stats"]["caption_status"]["ok"] > 0 for shard in document["shards"])
+    assert "counts: " in out and "512_invalid" in out  # the sample has bad images in every shard
 
 
 def test_verify_crop_bbox_fails_on_an_out_of_range_box(paths, capsys):

@@ -247,21 +247,21 @@ def _run_cli_subprocess(args: list[str], *, block_ray: bool = False, timeout: fl
     )
 
 
-def test_the_command_starts_its_own_local_ray(sample_build, tmp_path):
+def test_the_command_starts_its_own_local_ray(sample_main, tmp_path):
     """No Ray session and no RAY_ADDRESS: the command starts a local Ray sized to the machine,
     shrinking a task request that the machine cannot hold instead of waiting forever."""
     pytest.importorskip("ray")
-    main, reference = sample_build
-    out = tmp_path / "512"
-    args = ["build-0-262mp", "--main-prefix", main.uri, "--output-prefix", str(out), "--use-ray"]
+    out = ResizedOutput(Location.parse(tmp_path / "ray"), AREA_512, "0_26mp_process")
+    args = ["build-0-262mp", "--main-prefix", sample_main.uri, "--output-prefix", out.location.uri, "--use-ray"]
     done = _run_cli_subprocess([*args, "--task-cpus", "64", "--task-memory-gb", "4096"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Started a local Ray instance" in done.stderr
     assert "asks for 64 CPUs and 4096.0 GiB, but this machine has" in done.stderr
     assert "3 total, 3 built, 0 skipped, 0 failed" in done.stdout
-    built = ResizedOutput(Location.parse(out), AREA_512, "0_26mp_process")
-    for rel in SHARDS:
-        assert_same_output(reference[0], built, rel)
+    local = ResizedOutput(Location.parse(tmp_path / "local"), AREA_512, "0_26mp_process")
+    for rel in SHARDS:  # the same single-resolution build, in this process
+        build_resized_shard(sample_main, rel, [local])
+        assert_same_output(local, out, rel)
 
 
 def test_use_ray_without_ray_installed_says_so(sample_main, tmp_path):

@@ -14,9 +14,11 @@ from PIL import Image
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.geometry import geometry
+from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, META_COLUMN, build_crop_bbox_shard
+from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
 from fixed_res_sidecar.jobs.verify import (
     AUDIT_CONSISTENT,
     BOXES_VALID,
@@ -37,6 +39,7 @@ from fixed_res_sidecar.jobs.verify import (
     verify_resized_shard,
     write_report,
 )
+from fixed_res_sidecar.sample_data import write_sample_dataset
 
 REL = "nested/a/part-00001.parquet"  # the shard every damage test breaks
 
@@ -420,3 +423,34 @@ def test_s3_verify_and_summary(build, s3_bucket):
     assert summary["main"]["shards"] == 3 and summary["main"]["total_bytes"] == local["main"]["total_bytes"]
     assert summary["outputs"]["512"]["total_bytes"] == local["outputs"]["512"]["total_bytes"]
     assert summary["outputs"]["1024"]["missing"] == [REL] and summary["outputs"]["1024"]["shards"] == 2
+
+
+def test_struct_image_layout_and_square_builds(tmp_path):
+    """Hugging Face {bytes, path} images; a dataset built square is checked as square."""
+    main = Location.parse(tmp_path / "main")
+    write_sample_dataset(main, shards=("s.parquet",), rows_per_shard=5, struct_images=True)
+    output = Location.parse(tmp_path / "square512")
+    build_resized_shard(main, "s.parquet", [ResizedOutput(output, 262144, "0_26mp_process")], options=PixelOptions(square=True))
+
+    def verify(square: bool):
+        return verify_resized_shard(main, "s.parquet", output, audit_prefix="0_26mp_process", square=square)
+
+    report = verify(square=True)
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.check(SAMPLE_IMAGES).metadata["sampled"] == report.valid > 0
+    # Checked as a non-square dataset, the square outputs are not SPEC 3's aspect-keeping sizes.
+    assert_failed(verify(square=False), SAMPLE_IMAGES, output, rel="s.parquet")
+
+    prefix = "0_26mp_process"
+    row = first_row(output, "s.parquet", f"{prefix}_valid", True)
+    images = column(output, "s.parquet", "image")
+    images[row] = {**images[row], "bytes": None}
+    rewrite(output, "s.parquet", lambda t: replace_column(t, "image", images))
+    assert_failed(verify(square=True), AUDIT_CONSISTENT, output, rel="s.parquet", containing="valid row has no image")
+
+
+def test_missing_key_column_fails_keys_match_without_raising(build):
+    rewrite(build.r512, REL, lambda t: t.drop_columns(["image_key"]))
+    report = build.verify("512")
+    assert_failed(report, KEYS_MATCH, build.r512, containing="key column 'image_key' is missing")
+    assert report.check(SHARD_COMPLETE).passed and report.check(AUDIT_CONSISTENT).passed

@@ -1,0 +1,279 @@
+"""The asset graph of one dataset, partitioned by its shards. Thin: every step calls a shard job.
+
+    <name>/main ──> <name>/resized_512 ──> <name>/verify_512 ──┐
+              └──> <name>/resized_1024 ─> <name>/verify_1024 ─┴──> <name>/crop_bbox
+                  (one multi-asset, one decode)
+
+- `main`: the main Parquet dataset, external (never materialised here); the discovery sensor
+  records one observation per shard (row count, bytes).
+- `resized_512` + `resized_1024`: one multi-asset over `jobs.resize.build_resized_shard`, so
+  one decode feeds both; either can be selected alone.
+- `verify_512` / `verify_1024`: `jobs.verify.verify_resized_shard`; the JSON report is written
+  under the dataset's reports prefix; SPEC 7 items are blocking partitioned checks.
+- `crop_bbox`: `jobs.crop_bbox.build_crop_bbox_shard`, then `verify_crop_bbox_shard`, whose
+  overlay pictures are written under the reports prefix and shown in the materialization.
+  Gated: in the same run, a failed blocking check upstream skips it; across runs, its
+  automation condition waits until both verifiers' blocking checks passed for the shard.
+
+No `from __future__ import annotations` here: Dagster reads the `context` annotation.
+"""
+
+import base64
+import io
+import time
+from collections.abc import Iterator
+
+import dagster as dg
+from PIL import Image
+
+from fixed_res_sidecar.defs.checks import (
+    CROP_CHECKS,
+    check_results,
+    crop_check_specs,
+    examples_markdown,
+    report_counts,
+    resized_check_specs,
+    to_metadata,
+)
+from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.resources import SidecarRuntime
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.jobs import verify
+from fixed_res_sidecar.jobs.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar.jobs.resize import build_resized_shard
+
+OVERLAY_THUMBNAIL_WIDTH = 900  # pixels; the full-size PNGs stay under the reports prefix
+OVERLAYS_EMBEDDED = 3  # per materialization, to keep the event log light
+
+# crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
+# or in progress, and every blocking check of its parents passed for that shard.
+CROP_BBOX_CONDITION = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+# A verifier re-runs after its resized shard was rebuilt in a run that did not verify it.
+VERIFY_CONDITION = dg.AutomationCondition.eager()
+
+
+def main_spec(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetSpec:
+    keys = DatasetKeys(dataset.name)
+    return dg.AssetSpec(
+        keys.main,
+        partitions_def=partitions,
+        group_name=keys.group,
+        description=(
+            f"The main dataset {dataset.main.uri} (read only, never materialised here). One partition per "
+            "shard; the discovery sensor records each shard's row count and bytes as an observation."
+        ),
+        metadata={"uri": dg.MetadataValue.path(dataset.main.uri), "key_column": dataset.key_column},
+        kinds={"parquet"},
+    )
+
+
+def _shard_metadata(location: Location, rel: str) -> dict[str, dg.MetadataValue]:
+    size = location.size(rel)
+    return {
+        "dagster/uri": dg.MetadataValue.path(location.child(rel)),
+        "bytes": dg.MetadataValue.int(size if size is not None else 0),
+    }
+
+
+def resized_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    keys = DatasetKeys(dataset.name)
+    specs = [
+        dg.AssetSpec(
+            keys.resized(resolution),
+            deps=[keys.main],
+            partitions_def=partitions,
+            group_name=keys.group,
+            skippable=True,
+            description=(
+                f"Images of {dataset.main.uri} at {dataset.resized(resolution).area:,} px area, one shard per main "
+                f"shard, with `{dataset.resized(resolution).audit_prefix}_*` audit columns: "
+                f"{dataset.resized(resolution).location.uri}"
+            ),
+            metadata={"uri": dg.MetadataValue.path(dataset.resized(resolution).location.uri)},
+            kinds={"parquet", dataset.output_format},
+        )
+        for resolution in RESOLUTIONS
+    ]
+
+    @dg.multi_asset(name=keys.resized_op, specs=specs, partitions_def=partitions, can_subset=True)
+    def _resized(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator[dg.MaterializeResult]:
+        rel = context.partition_key
+        selected = [r for r in RESOLUTIONS if keys.resized(r) in context.selected_asset_keys]
+        result = build_resized_shard(
+            dataset.main,
+            rel,
+            [dataset.resized(r) for r in selected],
+            key_column=dataset.key_column,
+            image_column=dataset.image_column,
+            options=dataset.pixel_options(),
+            threads=sidecar.threads_for(dataset.threads_per_shard),
+            skip_existing=sidecar.skip_existing,
+        )
+        context.log.info(f"{rel}: {result.status_text}")
+        for resolution, summary in zip(selected, result.outputs):
+            invalid = sum(summary.error_counts.values())
+            yield dg.MaterializeResult(
+                asset_key=keys.resized(resolution),
+                metadata={
+                    **_shard_metadata(dataset.resized(resolution).location, rel),
+                    "dagster/row_count": dg.MetadataValue.int(result.rows),
+                    "status": dg.MetadataValue.text(summary.status),
+                    "valid": dg.MetadataValue.int(summary.valid) if summary.status == "built" else dg.MetadataValue.null(),
+                    "invalid": dg.MetadataValue.int(invalid) if summary.status == "built" else dg.MetadataValue.null(),
+                    "error_counts": dg.MetadataValue.json(dict(sorted(summary.error_counts.items()))),
+                    "seconds": dg.MetadataValue.float(round(result.seconds, 3)),
+                },
+            )
+
+    return _resized
+
+
+def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    keys = DatasetKeys(dataset.name)
+    output = dataset.resized(resolution)
+    reports = dataset.report_location(f"resized_{resolution}")
+
+    @dg.asset(
+        key=keys.verify(resolution),
+        deps=[keys.resized(resolution)],
+        partitions_def=partitions,
+        group_name=keys.group,
+        check_specs=resized_check_specs(keys, resolution, partitions),
+        automation_condition=VERIFY_CONDITION,
+        description=(
+            f"SPEC 7 verifier report of {keys.resized(resolution).to_user_string()}, per shard, as JSON under "
+            f"{reports.uri}. Its blocking checks gate {keys.crop_bbox.to_user_string()}."
+        ),
+        kinds={"json"},
+    )
+    def _verify(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        rel = context.partition_key
+        report = verify.verify_resized_shard(
+            dataset.main,
+            rel,
+            output.location,
+            key_column=dataset.key_column,
+            image_column=dataset.image_column,
+            audit_prefix=output.audit_prefix,
+            target_area=output.area,
+            patch_size=dataset.patch_size,
+            sample=dataset.verify_sample,
+            square=dataset.square,
+        )
+        path = verify.write_report(reports, rel, report, protect=[dataset.main])
+        failed = [c.name for c in report.failed_checks]
+        context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")
+        return dg.MaterializeResult(
+            metadata={
+                "report": dg.MetadataValue.path(reports.child(path)),
+                "passed": dg.MetadataValue.bool(report.passed),
+                "failed_checks": dg.MetadataValue.json(failed),
+                **to_metadata(report_counts(report)),
+                "invalid_examples": dg.MetadataValue.md(examples_markdown(report.examples)),
+            },
+            check_results=check_results(report, keys.verify(resolution), verify.RESIZED_CHECKS),
+        )
+
+    return _verify
+
+
+def overlay_markdown(location: Location, uris: list[str], limit: int = OVERLAYS_EMBEDDED) -> str:
+    """Overlay pictures as markdown: inline PNG thumbnails (data URIs) and where the full ones are."""
+    lines = []
+    root = location.uri.rstrip("/") + "/"
+    for uri in uris[:limit]:
+        rel = uri.removeprefix(root)
+        try:
+            data = location.read_bytes(rel)
+            lines.append(f"**{rel}**\n\n![{rel}](data:image/png;base64,{_thumbnail_png(data)})\n")
+        except Exception as exc:  # a picture that cannot be shown must not fail the asset
+            lines.append(f"**{rel}**: cannot be shown ({type(exc).__name__}: {exc})\n")
+    lines.append("Full-size pictures:\n" + "\n".join(f"- `{uri}`" for uri in uris))
+    return "\n".join(lines)
+
+
+def _thumbnail_png(data: bytes) -> str:
+    with Image.open(io.BytesIO(data)) as image:
+        image = image.convert("RGB")
+        if image.width > OVERLAY_THUMBNAIL_WIDTH:
+            height = max(1, round(image.height * OVERLAY_THUMBNAIL_WIDTH / image.width))
+            image = image.resize((OVERLAY_THUMBNAIL_WIDTH, height), Image.Resampling.LANCZOS)
+        out = io.BytesIO()
+        # 256 colours keep a thumbnail near 100-200 KB; the boxes stay crisp.
+        image.quantize(256, dither=Image.Dither.NONE).save(out, "PNG", optimize=True)
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    keys = DatasetKeys(dataset.name)
+    output = dataset.output("crop_bbox")
+    reports = dataset.report_location("crop_bbox")
+    overlays = dataset.report_location("overlays") if dataset.overlay_sample > 0 else None
+    expected_checks = CROP_CHECKS if overlays is not None else verify.CROP_BBOX_CHECKS
+
+    @dg.asset(
+        key=keys.crop_bbox,
+        deps=[keys.resized("512"), keys.resized("1024"), keys.verify("512"), keys.verify("1024")],
+        partitions_def=partitions,
+        group_name=keys.group,
+        check_specs=[s for s in crop_check_specs(keys, partitions) if s.name in expected_checks],
+        automation_condition=CROP_BBOX_CONDITION,
+        description=(
+            "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
+            f"bbox_resize_meta per row, at {output.uri}. Built for a shard only after both verifiers' blocking "
+            "checks passed for it. Overlay pictures of sampled rows are in the materialization metadata."
+        ),
+        kinds={"parquet", "json"},
+    )
+    def _crop_bbox(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> dg.MaterializeResult:
+        rel = context.partition_key
+        started = time.monotonic()
+        common = {
+            "key_column": dataset.key_column,
+            "caption_column": dataset.caption_column,
+            "caption_location": dataset.captions,
+            "audit_prefix_512": dataset.audit_prefix_512,
+            "audit_prefix_1024": dataset.audit_prefix_1024,
+            "bbox_keys": dataset.bbox_keys,
+            "caption_frame": dataset.caption_frame,
+        }
+        located = (dataset.main, rel, dataset.output("resized_512"), dataset.output("resized_1024"), output)
+        result = build_crop_bbox_shard(*located, **common, skip_existing=sidecar.skip_existing)
+        context.log.info(f"{rel}: crop_bbox {result.status_text}")
+        report = verify.verify_crop_bbox_shard(
+            *located,
+            **common,
+            image_column=dataset.image_column,
+            overlay_dir=overlays,
+            overlay_sample=dataset.overlay_sample,
+        )
+        path = verify.write_report(reports, rel, report, protect=[dataset.main])
+        pictures = list(report.stats.get("overlays") or [])
+        metadata = {
+            **_shard_metadata(output, rel),
+            "dagster/row_count": dg.MetadataValue.int(result.rows),
+            "status": dg.MetadataValue.text(result.status),
+            "report": dg.MetadataValue.path(reports.child(path)),
+            "passed": dg.MetadataValue.bool(report.passed),
+            "failed_checks": dg.MetadataValue.json([c.name for c in report.failed_checks]),
+            "captions": dg.MetadataValue.json(report.stats.get("caption_status", {})),
+            "boxes": dg.MetadataValue.json(report.stats.get("boxes", {})),
+            "seconds": dg.MetadataValue.float(round(time.monotonic() - started, 3)),
+        }
+        if overlays is not None:
+            metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
+            metadata["overlays"] = dg.MetadataValue.md(overlay_markdown(overlays, pictures))
+        return dg.MaterializeResult(metadata=metadata, check_results=check_results(report, keys.crop_bbox, expected_checks))
+
+    return _crop_bbox
+
+
+def dataset_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> list[dg.AssetSpec | dg.AssetsDefinition]:
+    """Every asset of one dataset, all on `partitions`."""
+    return [
+        main_spec(dataset, partitions),
+        resized_assets(dataset, partitions),
+        *(verify_asset(dataset, resolution, partitions) for resolution in RESOLUTIONS),
+        crop_bbox_asset(dataset, partitions),
+    ]
