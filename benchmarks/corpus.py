@@ -267,7 +267,9 @@ def ensure_corpus(
                 images.append(data)
                 total += len(data)
             table = pa.table({KEY_COLUMN: pa.array(keys), IMAGE_COLUMN: pa.array(images, pa.binary())}, schema=_schema())
-            pq.write_table(table, root / "main" / name, row_group_size=ROW_GROUP_ROWS, compression="none")
+            pq.write_table(
+                table, root / "main" / name, row_group_size=ROW_GROUP_ROWS, compression="none", use_dictionary=[KEY_COLUMN]
+            )
         manifest = {"params": params, "source_bytes": total, "specs": [asdict(s) for s in specs]}
         (root / MANIFEST).write_text(json.dumps(manifest))
     return Corpus(root, root / "main", names, specs, manifest["source_bytes"], manifest)
@@ -284,7 +286,7 @@ def memory_specs(distinct: int, seed: int = 0) -> list[ImageSpec]:
         short_side = round(long_side * aspect_h / aspect_w)
         width, height = (short_side, long_side) if index % 2 else (long_side, short_side)
         orientation = (1, 6, 1, 8)[index % 4]
-        specs.append(ImageSpec(index, width, height, "JPEG", orientation, 95, rng.getrandbits(32)))
+        specs.append(ImageSpec(index, width, height, "JPEG", orientation, 90, rng.getrandbits(32)))
     return specs
 
 
@@ -311,6 +313,7 @@ def ensure_memory_corpus(
         "specs": [asdict(s) for s in specs],
         "row_group_rows": row_group_rows,
         "style": style,
+        "dictionary": False,  # repeated images must be stored in full, as distinct images would be
     }
     tag = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(workdir) / f"memory-{target_bytes // 10**6}MB-{tag}"
@@ -324,7 +327,7 @@ def ensure_memory_corpus(
         distinct_bytes = list(_generate([(spec, style) for spec in specs], workers or os.cpu_count() or 1))
         rows_specs: list[ImageSpec] = []
         total = 0
-        with pq.ParquetWriter(root / "main" / name, _schema(), compression="none") as writer:
+        with pq.ParquetWriter(root / "main" / name, _schema(), compression="none", use_dictionary=False) as writer:
             keys: list[str] = []
             images: list[bytes] = []
             while total < target_bytes:

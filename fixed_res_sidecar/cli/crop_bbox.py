@@ -3,13 +3,11 @@
 import argparse
 import functools
 import sys
-import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.jobs.crop_bbox import RESOLUTIONS, CropBboxResult, build_crop_bbox_shard, check_output_locations
-from fixed_res_sidecar.jobs.runner import Progress, RunSummary
+from fixed_res_sidecar.jobs.runner import Progress, RunSummary, run_shards
 
 
 def add_parser(subparsers) -> None:
@@ -91,40 +89,9 @@ def run(args: argparse.Namespace) -> int:
         skip_existing=args.skip_existing,
     )
     print(f"{len(shards)} shards under {main.uri} -> {output.uri}", file=sys.stderr)
-    # stream= given here, at call time, so redirected or captured stderr is honoured.
-    summary = run_in_threads(job, shards, args.threads, Progress(len(shards), stream=sys.stderr))
+    summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
     return 0 if summary.ok else 1
-
-
-def run_in_threads(job, shards: list[str], threads: int, progress: Progress) -> RunSummary:
-    """Run `job(rel)` for every shard, at most `threads` at once; a failing shard fails alone.
-
-    Threads, not processes: a shard is mostly Parquet and S3 I/O (pyarrow releases the GIL)
-    plus light JSON work, so worker processes would cost more to start than they save.
-    """
-    started = time.monotonic()
-    summary = RunSummary()
-    queue = list(reversed(shards))
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        running: dict = {}
-        while queue or running:
-            while queue and len(running) < threads:
-                rel = queue.pop()
-                running[pool.submit(job, rel)] = rel
-            finished, _ = wait(running, return_when=FIRST_COMPLETED)
-            for future in finished:
-                rel = running.pop(future)
-                try:
-                    result = future.result()
-                except Exception as exc:
-                    summary.failures[rel] = f"{type(exc).__name__}: {exc}"
-                    progress.shard_finished(rel, error=summary.failures[rel])
-                else:
-                    summary.results[rel] = result
-                    progress.shard_finished(rel, result)
-    summary.seconds = time.monotonic() - started
-    return summary
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -43,8 +43,9 @@ from fixed_res_sidecar.jobs import verify
 from fixed_res_sidecar.jobs.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar.jobs.resize import build_resized_shard
 
-OVERLAY_THUMBNAIL_WIDTH = 900  # pixels; the full-size PNGs stay under the reports prefix
-OVERLAYS_EMBEDDED = 3  # per materialization, to keep the event log light
+# Inline thumbnails cost about 60-130 KB of event log each (base64 PNG at this width); the
+# full-size PNGs stay under the reports prefix. `overlay_embed` sets how many per shard.
+OVERLAY_THUMBNAIL_WIDTH = 720
 
 # crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
 # or in progress, and every blocking check of its parents passed for that shard.
@@ -178,7 +179,7 @@ def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.Partiti
     return _verify
 
 
-def overlay_markdown(location: Location, uris: list[str], limit: int = OVERLAYS_EMBEDDED) -> str:
+def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
     """Overlay pictures as markdown: inline PNG thumbnails (data URIs) and where the full ones are."""
     lines = []
     root = location.uri.rstrip("/") + "/"
@@ -263,7 +264,7 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
         }
         if overlays is not None:
             metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
-            metadata["overlays"] = dg.MetadataValue.md(overlay_markdown(overlays, pictures))
+            metadata["overlays"] = dg.MetadataValue.md(overlay_markdown(overlays, pictures, dataset.overlay_embed))
         return dg.MaterializeResult(metadata=metadata, check_results=check_results(report, keys.crop_bbox, expected_checks))
 
     return _crop_bbox

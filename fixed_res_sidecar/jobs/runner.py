@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -66,8 +66,13 @@ def run_shards(
     workers: int = 1,
     max_attempts: int = 3,
     progress: Progress | None = None,
+    threads: bool = False,
 ) -> RunSummary:
-    """Run `job` for every shard; never raises for a failing shard."""
+    """Run `job` for every shard; never raises for a failing shard.
+
+    Processes by default (CPU-bound image work); `threads=True` for light, I/O-bound jobs
+    such as the crop sidecar, where starting processes would cost more than it saves.
+    """
     started = time.monotonic()
     summary = RunSummary()
     progress = progress or Progress(len(shards))
@@ -75,7 +80,11 @@ def run_shards(
     todo = list(shards)
     context = multiprocessing.get_context("spawn")  # no fork: boto3 and thread pools are not fork-safe
     while todo:
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        if threads:
+            pool = ThreadPoolExecutor(max_workers=workers)
+        else:
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=context)
+        with pool:
             todo = _run_pool(pool, job, todo, workers, attempts, max_attempts, summary, progress)
     summary.seconds = time.monotonic() - started
     return summary

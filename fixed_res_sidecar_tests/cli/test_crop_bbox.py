@@ -40,7 +40,7 @@ def test_builds_every_shard_with_progress_and_summary(sample_build, tmp_path, ca
     assert len(progress) == len(shards)
     assert all("built (10 rows" in line for line in progress)
     assert f"crop-bbox shards: {len(shards)} total, {len(shards)} built, 0 skipped, 0 failed (30 rows" in captured.out
-    assert "captions (built shards): ok 27, missing 3, invalid_json 0" in captured.out
+    assert "captions (built shards): ok 28, missing 2, invalid_json 0" in captured.out
     for rel in shards:
         assert pq.read_metadata(output / rel).num_rows == 10
 

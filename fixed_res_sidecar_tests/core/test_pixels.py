@@ -301,6 +301,12 @@ def test_both_outputs_from_one_call_follow_the_geometry():
     assert small.record.src_format == "JPEG" and small.record.n_frames == 1
 
 
+@pytest.mark.parametrize("areas", [[0], [AREA_512, -1], [1.5]])
+def test_bad_areas_are_refused(areas):
+    with pytest.raises(ValueError, match="target areas"):
+        process_image(jpeg_bytes(Image.new("RGB", (64, 64))), areas, DEFAULT)
+
+
 def test_results_follow_the_order_of_the_areas():
     data = jpeg_bytes(photo_like(400, 300, seed=4))
     widths = [r.record.width for r in process_image(data, [AREA_1024, AREA_512, AREA_1024], DEFAULT)]
@@ -550,6 +556,14 @@ def test_swapped_primaries_profile_turns_stored_red_into_green():
     assert close(pixel(decoded(tagged), 0.5, 0.5), (0, 255, 0), 6)
     assert close(pixel(decoded(plain), 0.5, 0.5), (255, 0, 0), 6)
     assert tagged.record.error_detail is None
+
+
+def test_srgb_profile_changes_nothing():
+    photo = photo_like(160, 120, seed=14)
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    (tagged,) = run(jpeg_bytes(photo, icc_profile=srgb))
+    (plain,) = run(jpeg_bytes(photo))
+    assert tagged.image == plain.image and tagged.record.error_detail is None
 
 
 def test_adobe_rgb_profile_is_converted_to_srgb():

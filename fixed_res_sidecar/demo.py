@@ -1,0 +1,312 @@
+"""`sidecar-ops demo`: the whole Dagster graph on a sample dataset on local disk.
+
+1. Writes a sample main dataset (a few shards of generated photos with captions and some
+   bad rows) under the work dir, unless it is already there.
+2. Writes a datasets file for it (`<workdir>/datasets.yaml`) unless one exists, and loads
+   the Dagster definitions from it, exactly as `dagster dev` would.
+3. Opens a persistent Dagster instance (`DAGSTER_HOME`, default `<workdir>/dagster_home`),
+   runs one tick of the discovery sensor in process (new shards become partitions, each is
+   observed on `sample/main`).
+4. Runs the shard job (resize both resolutions, verify, crop) once per shard in process,
+   skipping shards whose assets are all materialised, whose checks all passed and whose
+   files are all there; outputs already built with the same settings are kept (SPEC 2
+   skip-existing), so a second demo run does no work.
+5. Runs the dataset check and prints a summary read back from the instance: shards built,
+   valid and invalid rows per error code, check results, and where the overlay pictures are.
+"""
+
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fixed_res_sidecar.defs.config import REPO_ROOT, DatasetConfig, load_config
+from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
+
+DEFAULT_WORKDIR = Path("sidecar-demo")
+DATASET_NAME = "sample"
+QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+@dataclass
+class ShardOutcome:
+    rel: str
+    status: str  # "built", "up to date", "failed"
+    seconds: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class DemoSummary:
+    workdir: Path
+    dagster_home: Path
+    config_file: Path
+    dataset: DatasetConfig
+    created_sample: bool
+    new_partitions: list[str]
+    shards: list[ShardOutcome] = field(default_factory=list)
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # resolution -> valid, invalid, errors
+    checks: dict[str, Counter] = field(default_factory=dict)  # asset/check -> Counter(passed/failed/missing)
+    failed_checks: list[str] = field(default_factory=list)
+    dataset_check: tuple[bool, str] | None = None
+    overlays: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            all(s.status != "failed" for s in self.shards)
+            and not self.failed_checks
+            and all(not c["failed"] and not c["not run"] for c in self.checks.values())
+        )
+
+
+def demo_config() -> dict[str, Any]:
+    """The datasets file the demo writes: paths relative to the work dir."""
+    return {
+        "datasets": [
+            {
+                "name": DATASET_NAME,
+                "main_prefix": "main/sample",
+                "output_root": "out",
+                "sensor": {"default_status": "running", "interval_seconds": 60},
+            }
+        ]
+    }
+
+
+def prepare_workdir(workdir: Path, shards: int, rows_per_shard: int, say: Callable[[str], None]) -> tuple[Path, bool]:
+    """Sample data and datasets file; returns (config file, whether the sample was created now)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_file = workdir / "datasets.yaml"
+    if not config_file.exists():
+        header = "# Written by `sidecar-ops demo`; edit it freely (fields: see the repo's datasets.yaml).\n"
+        config_file.write_text(header + yaml.safe_dump(demo_config(), sort_keys=False))
+    main = load_config(config_file).datasets[0].main
+    created = False
+    if not main.list_shards():
+        names = list(DEFAULT_SHARDS[:shards]) + [f"extra/part-{i:05d}.parquet" for i in range(len(DEFAULT_SHARDS), shards)]
+        say(f"writing a sample dataset: {len(names)} shards x {rows_per_shard} rows under {main.uri}")
+        write_sample_dataset(main, shards=names, rows_per_shard=rows_per_shard)
+        created = True
+    return config_file, created
+
+
+@contextmanager
+def dagster_home(workdir: Path) -> Iterator[Path]:
+    """DAGSTER_HOME as set, else `<workdir>/dagster_home` with the repo's dagster.yaml."""
+    given = os.environ.get("DAGSTER_HOME")
+    if given:
+        home = Path(given).expanduser().resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        yield home
+        return
+    home = (workdir / "dagster_home").resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    instance_yaml = REPO_ROOT / "dagster.yaml"
+    if instance_yaml.exists() and not (home / "dagster.yaml").exists():
+        shutil.copyfile(instance_yaml, home / "dagster.yaml")
+    os.environ["DAGSTER_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        os.environ.pop("DAGSTER_HOME", None)
+
+
+def register_shards(instance, dataset: DatasetConfig) -> list[str]:
+    """Discovery ticks in process, until the listing is complete; returns the new partitions."""
+    from fixed_res_sidecar.defs.sensors import ShardCursor, apply_tick, discovery_tick
+
+    keys = DatasetKeys(dataset.name)
+    added: list[str] = []
+    cursor = None
+    while True:
+        known = set(instance.get_dynamic_partitions(keys.partitions))
+        result = discovery_tick(dataset, known, cursor, log=logging.getLogger("sidecar-demo"))
+        added += apply_tick(instance, result)
+        cursor = result.cursor
+        if ShardCursor.parse(cursor).after is None:
+            return added
+
+
+def _latest_metadata(instance, asset_key, rel: str) -> dict[str, Any] | None:
+    import dagster as dg
+
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[rel]), limit=1
+    ).records
+    if not records:
+        return None
+    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
+def _check_status(instance, defs, dataset: DatasetConfig, rels: list[str]) -> dict[tuple[str, str], str]:
+    """(check key text, shard) -> SUCCEEDED / FAILED / PLANNED, for every partitioned check."""
+    keys = DatasetKeys(dataset.name)
+    asset_keys = {keys.verify(r) for r in RESOLUTIONS} | {keys.crop_bbox}
+    check_keys = [k for k in defs.resolve_asset_graph().asset_check_keys if k.asset_key in asset_keys]
+    infos = instance.event_log_storage.get_asset_check_partition_info(check_keys, partition_keys=rels)
+    return {
+        (info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value
+        for info in infos
+    }
+
+
+def shard_is_done(instance, defs, dataset: DatasetConfig, rel: str, statuses: dict) -> bool:
+    """All assets materialised for `rel`, every check passed, and every output file present."""
+    keys = DatasetKeys(dataset.name)
+    asset_keys = [*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox]
+    if any(rel not in instance.get_materialized_partitions(k) for k in asset_keys):
+        return False
+    mine = [status for (_, shard), status in statuses.items() if shard == rel]
+    if not mine or any(status != "SUCCEEDED" for status in mine):
+        return False
+    outputs = [dataset.output("resized_512"), dataset.output("resized_1024"), dataset.output("crop_bbox")]
+    return all(location.exists(rel) for location in outputs)
+
+
+def run_demo(
+    workdir: str | os.PathLike = DEFAULT_WORKDIR,
+    shards: int = len(DEFAULT_SHARDS),
+    rows_per_shard: int = 12,
+    say: Callable[[str], None] = print,
+) -> DemoSummary:
+    workdir = Path(workdir).expanduser().resolve()
+    config_file, created = prepare_workdir(workdir, shards, rows_per_shard, say)
+
+    import dagster as dg
+
+    from fixed_res_sidecar.defs.definitions import build_definitions
+
+    config = load_config(config_file)
+    dataset = config.datasets[0]
+    keys = DatasetKeys(dataset.name)
+    defs = build_definitions(config)
+    logging.getLogger("dagster").setLevel(logging.WARNING)
+
+    with dagster_home(workdir) as home, dg.DagsterInstance.get() as instance:
+        new = register_shards(instance, dataset)
+        rels = sorted(instance.get_dynamic_partitions(keys.partitions))
+        say(f"{len(rels)} shards are partitions of {keys.partitions} ({len(new)} new); Dagster home {home}")
+        summary = DemoSummary(workdir, home, config_file, dataset, created, new)
+        job = defs.resolve_job_def(keys.shard_job)
+        statuses = _check_status(instance, defs, dataset, rels)
+        for index, rel in enumerate(rels, 1):
+            if shard_is_done(instance, defs, dataset, rel, statuses):
+                summary.shards.append(ShardOutcome(rel, "up to date"))
+                say(f"[{index}/{len(rels)}] {rel}: up to date (materialised, checks passed), skipped")
+                continue
+            started = time.monotonic()
+            result = job.execute_in_process(
+                partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET_RUN_CONFIG
+            )
+            seconds = time.monotonic() - started
+            if result.success:
+                summary.shards.append(ShardOutcome(rel, "built", seconds))
+                say(f"[{index}/{len(rels)}] {rel}: built in {seconds:.1f} s (run {result.run_id[:8]})")
+            else:
+                failed = [e.check_name for e in result.get_asset_check_evaluations() if not e.passed]
+                steps = [e.step_key for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+                detail = f"failed steps {steps}" + (f", failed checks {failed}" if failed else "")
+                summary.shards.append(ShardOutcome(rel, "failed", seconds, detail))
+                say(f"[{index}/{len(rels)}] {rel}: FAILED in {seconds:.1f} s: {detail} (run {result.run_id})")
+
+        check_run = defs.resolve_job_def(keys.dataset_check_job).execute_in_process(
+            instance=instance, raise_on_error=False, run_config=QUIET_RUN_CONFIG
+        )
+        evaluations = check_run.get_asset_check_evaluations()
+        if evaluations:
+            summary.dataset_check = (evaluations[0].passed, evaluations[0].description or "")
+        _collect(summary, instance, defs, dataset, rels)
+    return summary
+
+
+def _collect(summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str]) -> None:
+    keys = DatasetKeys(dataset.name)
+    for resolution in RESOLUTIONS:
+        totals: Counter = Counter()
+        errors: Counter = Counter()
+        for rel in rels:
+            metadata = _latest_metadata(instance, keys.verify(resolution), rel) or {}
+            totals["valid"] += metadata.get("valid") or 0
+            totals["invalid"] += metadata.get("invalid") or 0
+            errors.update(metadata.get("error_counts") or {})
+        summary.rows[resolution] = {
+            "audit_prefix": dataset.resized(resolution).audit_prefix,
+            "valid": totals["valid"],
+            "invalid": totals["invalid"],
+            "errors": dict(sorted(errors.items())),
+        }
+    statuses = _check_status(instance, defs, dataset, rels)
+    check_names = sorted({name for name, _ in statuses})
+    for name in check_names:
+        counter: Counter = Counter(passed=0, failed=0, **{"not run": 0})
+        for rel in rels:
+            status = statuses.get((name, rel))
+            counter["passed" if status == "SUCCEEDED" else "failed" if status == "FAILED" else "not run"] += 1
+            if status == "FAILED":
+                summary.failed_checks.append(f"{name} on {rel}")
+        summary.checks[name] = counter
+    overlays = dataset.report_location("overlays")
+    if not overlays.is_s3:
+        for rel in rels:
+            summary.overlays += sorted(str(p) for p in Path(overlays.child(rel.removesuffix(".parquet"))).glob("*.png"))
+
+
+def format_summary(summary: DemoSummary) -> str:
+    dataset = summary.dataset
+    keys = DatasetKeys(dataset.name)
+    built = sum(1 for s in summary.shards if s.status == "built")
+    fresh = sum(1 for s in summary.shards if s.status == "up to date")
+    failed = [s for s in summary.shards if s.status == "failed"]
+    lines = [
+        "",
+        f"sidecar demo summary ({summary.workdir})",
+        f"  main dataset   {dataset.main.uri}" + ("  (sample written now)" if summary.created_sample else ""),
+        f"  datasets file  {summary.config_file}",
+        f"  Dagster home   {summary.dagster_home}",
+        f"  shards         {len(summary.shards)} total: {built} built now, {fresh} already up to date, {len(failed)} failed",
+    ]
+    for shard in failed:
+        lines.append(f"    FAILED {shard.rel}: {shard.detail}")
+    lines.append("  rows (all shards):")
+    for resolution, rows in summary.rows.items():
+        errors = ", ".join(f"{code} {n}" for code, n in rows["errors"].items()) or "none"
+        lines.append(
+            f"    {resolution:>4} ({rows['audit_prefix']}): {rows['valid']} valid, {rows['invalid']} invalid ({errors})"
+        )
+    lines.append("  checks (latest result per shard):")
+    for name, counter in summary.checks.items():
+        extra = "".join(f", {counter[k]} {k}" for k in ("failed", "not run") if counter[k])
+        lines.append(f"    {name:<38} {counter['passed']}/{len(summary.shards)} passed{extra}")
+    if summary.dataset_check is not None:
+        passed, text = summary.dataset_check
+        lines.append(f"    {keys.dataset_check.to_user_string():<38} {'passed' if passed else 'WARN'}: {text}")
+    for text in summary.failed_checks[:20]:
+        lines.append(f"    FAILED {text}")
+    overlay_dir = dataset.report_location("overlays").uri
+    lines.append(f"  overlay pictures ({len(summary.overlays)} PNGs: original | 512 | 1024 with their boxes): {overlay_dir}")
+    for path in summary.overlays[:3]:
+        lines.append(f"    {path}")
+    lines.append(f"  verifier reports: {dataset.output('reports').uri}")
+    lines.append(
+        f"  browse it: DAGSTER_HOME={summary.dagster_home} SIDECAR_DATASETS={summary.config_file} "
+        "dagster dev -w workspace.yaml"
+    )
+    lines.append("  result: " + ("OK" if summary.ok else "PROBLEMS (see above)"))
+    return "\n".join(lines)
+
+
+def main(workdir: str | os.PathLike = DEFAULT_WORKDIR, shards: int = len(DEFAULT_SHARDS), rows_per_shard: int = 12) -> int:
+    summary = run_demo(workdir, shards, rows_per_shard, say=lambda text: print(text, file=sys.stderr, flush=True))
+    print(format_summary(summary))
+    return 0 if summary.ok else 1
