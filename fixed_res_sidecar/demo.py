@@ -300,7 +300,7 @@ def format_summary(summary: DemoSummary) -> str:
     lines.append(f"  verifier reports: {dataset.output('reports').uri}")
     lines.append(
         f"  browse it: DAGSTER_HOME={summary.dagster_home} SIDECAR_DATASETS={summary.config_file} "
-        "dagster dev -w workspace.yaml"
+        f"dagster dev -w {REPO_ROOT / 'workspace.yaml'}"
     )
     lines.append("  result: " + ("OK" if summary.ok else "PROBLEMS (see above)"))
     return "\n".join(lines)

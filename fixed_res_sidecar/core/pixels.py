@@ -38,9 +38,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import metadata
 
-import numpy as np
 import PIL
-from PIL import Image, ImageChops, ImageCms, features
+from PIL import Image, ImageChops, ImageCms, ImageMath, features
 
 from .audit import AuditRecord, ErrorCode
 from .geometry import Geometry, geometry
@@ -92,7 +91,7 @@ DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
 # Every format Pillow can open, except EPS: opening EPS hands untrusted bytes to Ghostscript.
 EXCLUDED_INPUT_FORMATS = frozenset({"EPS"})
 
-SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
+SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I"})
 ALPHA_MODES = {"RGBA": "RGB", "LA": "L"}  # mode with alpha -> the same without
 PREMULTIPLIED = {"RGBA": "RGBa", "LA": "La"}
 UNPREMULTIPLIED = {v: k for k, v in PREMULTIPLIED.items()}
@@ -282,9 +281,10 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
         )
     aspect = max(raw_w / raw_h, raw_h / raw_w)
     if aspect > options.max_aspect_ratio:
+        limit = options.max_aspect_ratio
         raise _RowError(
             ErrorCode.ASPECT_RATIO,
-            f"source is {raw_w}x{raw_h}, aspect ratio {aspect:.4g} exceeds max_aspect_ratio={options.max_aspect_ratio:g}",
+            f"source is {raw_w}x{raw_h}, aspect ratio {aspect:.4g} exceeds max_aspect_ratio={limit:g}",
         )
     return source
 
@@ -430,12 +430,13 @@ def _normalise_mode(image: Image.Image) -> Image.Image:
 
 def _sixteen_bit_to_grey(image: Image.Image) -> Image.Image:
     """Scale 16-bit grey to 8 bit (0..65535 -> 0..255, rounded); never clip at 255."""
-    values = np.asarray(image)
-    values = np.clip(values, 0, 65535).astype(np.uint32)
-    grey = Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8))
+    wide = image if image.mode == "I" else image.convert("I")
+    # On mode I, point() applies v * scale + offset and truncates; the 0.5 rounds. The final
+    # convert("L") clips only what lies outside 16 bits (mode I may hold 32-bit values).
+    grey = wide.point(lambda v: v * (255 / 65535) + 0.5).convert("L")
     key = image.info.get("transparency")
     if isinstance(key, int) and not isinstance(key, bool):  # PNG tRNS: one transparent grey value
-        alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8))
+        alpha = ImageMath.lambda_eval(lambda args: args["convert"]((args["a"] != key) * 255, "L"), a=wide)
         return Image.merge("LA", (grey, alpha))
     return grey
 
@@ -454,7 +455,13 @@ class _ColourConversion:
 _SRGB_PROFILE = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
 _PROFILE_COLOUR_SPACE = {"RGB": "RGB", "RGBA": "RGB", "L": "GRAY", "LA": "GRAY", "CMYK": "CMYK"}
 # The transform's input and output modes for each working mode; LA converts its L band.
-_TRANSFORM_MODES = {"RGB": ("RGB", "RGB"), "RGBA": ("RGBA", "RGBA"), "L": ("L", "RGB"), "LA": ("L", "RGB"), "CMYK": ("CMYK", "RGB")}
+_TRANSFORM_MODES = {
+    "RGB": ("RGB", "RGB"),
+    "RGBA": ("RGBA", "RGBA"),
+    "L": ("L", "RGB"),
+    "LA": ("L", "RGB"),
+    "CMYK": ("CMYK", "RGB"),
+}
 # Shared by all threads: lcms2 keeps no per-call state in a transform (each cmsDoTransform
 # copies the transform's one-pixel cache to the stack), so one transform serves them all.
 _TRANSFORM_CACHE_SIZE = 64
@@ -514,9 +521,9 @@ def _is_identity(profile: ImageCms.ImageCmsProfile) -> bool:
 
 @lru_cache(maxsize=1)
 def _colour_cube() -> Image.Image:
-    levels = np.arange(0, 256, 17, dtype=np.uint8)  # 16 levels, 0 and 255 included
-    r, g, b = np.meshgrid(levels, levels, levels, indexing="ij")
-    return Image.fromarray(np.stack([r, g, b], axis=-1).reshape(64, 64, 3))
+    levels = range(0, 256, 17)  # 16 levels, 0 and 255 included
+    cube = bytes(channel for r in levels for g in levels for b in levels for channel in (r, g, b))
+    return Image.frombytes("RGB", (64, 64), cube)
 
 
 def _to_srgb(image: Image.Image, colour: _ColourConversion) -> tuple[Image.Image, str | None]:

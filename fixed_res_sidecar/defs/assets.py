@@ -49,7 +49,9 @@ OVERLAY_THUMBNAIL_WIDTH = 720
 
 # crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
 # or in progress, and every blocking check of its parents passed for that shard.
-CROP_BBOX_CONDITION = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+CROP_BBOX_CONDITION = (
+    dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+).with_label("eager, once the verifiers' blocking checks passed")
 # A verifier re-runs after its resized shard was rebuilt in a run that did not verify it.
 VERIFY_CONDITION = dg.AutomationCondition.eager()
 
@@ -113,19 +115,17 @@ def resized_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) 
         )
         context.log.info(f"{rel}: {result.status_text}")
         for resolution, summary in zip(selected, result.outputs):
-            invalid = sum(summary.error_counts.values())
-            yield dg.MaterializeResult(
-                asset_key=keys.resized(resolution),
-                metadata={
-                    **_shard_metadata(dataset.resized(resolution).location, rel),
-                    "dagster/row_count": dg.MetadataValue.int(result.rows),
-                    "status": dg.MetadataValue.text(summary.status),
-                    "valid": dg.MetadataValue.int(summary.valid) if summary.status == "built" else dg.MetadataValue.null(),
-                    "invalid": dg.MetadataValue.int(invalid) if summary.status == "built" else dg.MetadataValue.null(),
-                    "error_counts": dg.MetadataValue.json(dict(sorted(summary.error_counts.items()))),
-                    "seconds": dg.MetadataValue.float(round(result.seconds, 3)),
-                },
-            )
+            metadata = {
+                **_shard_metadata(dataset.resized(resolution).location, rel),
+                "dagster/row_count": dg.MetadataValue.int(result.rows),
+                "status": dg.MetadataValue.text(summary.status),
+                "seconds": dg.MetadataValue.float(round(result.seconds, 3)),
+            }
+            if summary.status == "built":  # a skipped (up to date) shard was not read: its verifier has the counts
+                metadata["valid"] = dg.MetadataValue.int(summary.valid)
+                metadata["invalid"] = dg.MetadataValue.int(sum(summary.error_counts.values()))
+                metadata["error_counts"] = dg.MetadataValue.json(dict(sorted(summary.error_counts.items())))
+            yield dg.MaterializeResult(asset_key=keys.resized(resolution), metadata=metadata)
 
     return _resized
 
@@ -188,7 +188,7 @@ def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
         try:
             data = location.read_bytes(rel)
             lines.append(f"**{rel}**\n\n![{rel}](data:image/png;base64,{_thumbnail_png(data)})\n")
-        except Exception as exc:  # a picture that cannot be shown must not fail the asset
+        except Exception as exc:  # noqa: BLE001 - a picture that cannot be shown must not fail the asset
             lines.append(f"**{rel}**: cannot be shown ({type(exc).__name__}: {exc})\n")
     lines.append("Full-size pictures:\n" + "\n".join(f"- `{uri}`" for uri in uris))
     return "\n".join(lines)
@@ -204,6 +204,22 @@ def _thumbnail_png(data: bytes) -> str:
         # 256 colours keep a thumbnail near 100-200 KB; the boxes stay crisp.
         image.quantize(256, dither=Image.Dither.NONE).save(out, "PNG", optimize=True)
     return base64.b64encode(out.getvalue()).decode("ascii")
+
+
+def gate_problems(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str) -> list[str]:
+    """Why shard `rel` must not get its crop_bbox yet: every verifier check must have passed."""
+    check_keys = [dg.AssetCheckKey(keys.verify(r), name) for r in RESOLUTIONS for name in verify.RESIZED_CHECKS]
+    infos = {
+        info.check_key: info
+        for info in instance.event_log_storage.get_asset_check_partition_info(check_keys, partition_keys=[rel])
+    }
+    problems = []
+    for key in check_keys:
+        info = infos.get(key)
+        status = info.latest_execution_status.value.lower() if info is not None else "never run"
+        if status != "succeeded":
+            problems.append(f"{key.to_user_string()} {status}")
+    return problems
 
 
 def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -229,6 +245,17 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
     )
     def _crop_bbox(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> dg.MaterializeResult:
         rel = context.partition_key
+        # The gate also holds for a run of crop_bbox alone (the UI allows one): Dagster's blocking
+        # checks stop downstream steps only in their own run.
+        problems = gate_problems(context.instance, keys, rel)
+        if problems:
+            raise dg.Failure(
+                description=(
+                    f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed for this "
+                    f"shard: {'; '.join(problems)}. Fix the resized shard, re-run verify_512/verify_1024, then crop_bbox."
+                ),
+                allow_retries=False,
+            )
         started = time.monotonic()
         common = {
             "key_column": dataset.key_column,

@@ -36,12 +36,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
 from fixed_res_sidecar.core.pixels import PixelOptions
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.io.locations import (
+    Location,
+    LocationError,
+    check_output_location,
+)
 from fixed_res_sidecar.jobs.resize import ResizedOutput
 
 DATASETS_ENV = "SIDECAR_DATASETS"
@@ -72,7 +84,8 @@ class _Strict(BaseModel):
 def _resolve_location(value: Any, info: ValidationInfo) -> str:
     """A location as given: s3:// URIs as they are, local paths made absolute (config-relative)."""
     if not isinstance(value, (str, os.PathLike)):
-        raise ValueError(f"must be a local path or an s3:// URI, got {value!r}")
+        # ValueError, not TypeError: pydantic turns only ValueError into a field error.
+        raise ValueError(f"must be a local path or an s3:// URI, got {value!r}")  # noqa: TRY004
     text = os.fspath(value).strip()
     if not text:
         raise ValueError("must not be empty")
@@ -282,8 +295,10 @@ class DatasetConfig(_Strict):
                     problems.append(
                         (
                             f"outputs.{second}",
-                            f"{self.output(second).uri} is at, inside or above outputs.{first} "
-                            f"({self.output(first).uri}); each output needs its own location",
+                            (
+                                f"{self.output(second).uri} is at, inside or above outputs.{first} "
+                                f"({self.output(first).uri}); each output needs its own location"
+                            ),
                         )
                     )
         return problems

@@ -36,9 +36,9 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
     shard_job = dg.define_asset_job(
         keys.shard_job,
         selection=shard_job_selection(keys),
-        partitions_def=partitions,
         executor_def=dg.in_process_executor,
-        run_tags=run_tags(dataset),
+        # `tags`, not `run_tags`: job backfills copy the job's tags onto every run they create.
+        tags=run_tags(dataset),
         description=(
             f"Resize, verify and crop one shard of {dataset.name} (one run per shard/partition). "
             "Backfill it from the UI to build many shards."
@@ -48,7 +48,7 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         keys.dataset_check_job,
         selection=dg.AssetSelection.checks(keys.dataset_check),
         executor_def=dg.in_process_executor,
-        run_tags=run_tags(dataset),
+        tags=run_tags(dataset),
         description=f"Shard counts and bytes of {dataset.name}'s main, 512, 1024 and crop_bbox datasets.",
     )
     check_schedule = dg.ScheduleDefinition(

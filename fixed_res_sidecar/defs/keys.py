@@ -11,7 +11,8 @@ from functools import cached_property
 import dagster as dg
 
 # Run tag that names the dataset: dagster.yaml limits concurrent runs per unique value.
-DATASET_TAG = "sidecar/dataset"
+from fixed_res_sidecar.defs.run_resources import DATASET_TAG  # noqa: F401 (re-exported)
+
 RESOLUTIONS = ("512", "1024")
 
 

@@ -9,12 +9,11 @@ a cluster) is here, and can be set from the environment:
     SIDECAR_THREADS_PER_SHARD=8    resize threads inside one shard run (default: the dataset's)
 """
 
-import json
 import os
 
 import dagster as dg
 
-from fixed_res_sidecar.defs.keys import DATASET_TAG
+from fixed_res_sidecar.defs import run_resources
 
 RESOURCE_KEY = "sidecar"
 
@@ -72,17 +71,9 @@ def default_resources() -> dict[str, object]:
 def run_tags(dataset) -> dict[str, str]:
     """Tags on every run of one dataset (shard runs, automation runs, backfills of its job).
 
-    `sidecar/dataset` is what dagster.yaml limits per unique value (runs per dataset);
-    `dagster-k8s/config` sizes the run's pod when the K8s run launcher is used; the
-    `sidecar/*` resource tags are there for any other launcher or queue to read.
+    From `run_resources.run_tags`: `fixed_res_sidecar/dataset` (dagster.yaml limits runs per
+    unique value), and the dataset's CPU and memory as `dagster-k8s/config` and
+    `dagster-ray/config`, read by the K8s and Ray run launchers (deploy/).
     """
     resources = dataset.run_resources
-    cpu = f"{resources.cpu:g}"
-    memory = f"{round(resources.memory_gb * 1024)}Mi"
-    k8s = {"container_config": {"resources": {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory}}}}
-    return {
-        DATASET_TAG: dataset.name,
-        "sidecar/cpu": cpu,
-        "sidecar/memory_gb": f"{resources.memory_gb:g}",
-        "dagster-k8s/config": json.dumps(k8s, separators=(",", ":")),
-    }
+    return run_resources.run_tags(resources.cpu, resources.memory_gb, dataset=dataset.name)

@@ -23,7 +23,11 @@ import dagster as dg
 
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.keys import DatasetKeys
-from fixed_res_sidecar.defs.partitions import add_requests, partition_key_problem, shard_partitions
+from fixed_res_sidecar.defs.partitions import (
+    add_requests,
+    partition_key_problem,
+    shard_partitions,
+)
 from fixed_res_sidecar.defs.resources import SidecarRuntime, run_tags
 from fixed_res_sidecar.io.locations import Location
 
@@ -113,7 +117,7 @@ def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[s
         try:
             metadata["bytes"] = dg.MetadataValue.int(main.size(rel) or 0)
             metadata["dagster/row_count"] = dg.MetadataValue.int(main.parquet_file(rel).metadata.num_rows)
-        except Exception as exc:  # unreadable: say so here, the shard run reports it in full
+        except Exception as exc:  # noqa: BLE001 - unreadable: say so here, the shard run reports it in full
             metadata["error"] = dg.MetadataValue.text(f"{type(exc).__name__}: {exc}"[:500])
         return rel, metadata
 

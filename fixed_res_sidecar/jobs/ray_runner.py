@@ -87,11 +87,10 @@ def run_shards_on_ray(
         return summary
     connected_here = connect(address, runtime_env=runtime_env)
     try:
-        num_cpus, memory = _task_resources(task_cpus, task_memory_gb, local=connected_here == "local", progress=progress)
-        remote = ray.remote(_run_job).options(
-            num_cpus=num_cpus, memory=memory, max_retries=0, retry_exceptions=False, name="sidecar-shard"
-        )
-        _loop(remote, ray.put(job), shards, max_inflight, max_attempts, summary, progress)
+        local = connected_here == "local"
+        num_cpus, memory = _task_resources(task_cpus, task_memory_gb, local=local, progress=progress)
+        options = {"num_cpus": num_cpus, "memory": memory, "max_retries": 0, "retry_exceptions": False}
+        _loop(ray.remote(_run_job), options, ray.put(job), shards, max_inflight, max_attempts, summary, progress)
     finally:
         if connected_here:
             ray.shutdown()
@@ -99,18 +98,28 @@ def run_shards_on_ray(
     return summary
 
 
+class RayConnectionError(ConnectionError):
+    """The Ray cluster named by `address` / RAY_ADDRESS could not be joined."""
+
+
 def connect(address: str | None = None, runtime_env: dict[str, Any] | None = None) -> str | None:
     """Make sure this process has a Ray session; returns how it got one.
 
-    None: one was already there (left alone at the end). "remote": connected to
+    None: one was already there (used as is, left alone at the end). "remote": connected to
     `address` or `RAY_ADDRESS`. "local": started a new local Ray with this machine's cores.
     """
     if ray.is_initialized():
         return None
-    target = address or os.environ.get("RAY_ADDRESS") or None
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
     options: dict[str, Any] = {"runtime_env": runtime_env} if runtime_env else {}
-    if target:
-        ray.init(address=target, **options)
+    if target != "local":
+        try:
+            ray.init(address=target, **options)
+        except Exception as exc:
+            raise RayConnectionError(
+                f"cannot connect to the Ray cluster at {target!r} (from --ray-address or RAY_ADDRESS): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         return "remote"
     # address="local" always starts a fresh instance (never attaches to a stray one).
     ray.init(address="local", num_cpus=_machine_cores(), include_dashboard=False, **options)
@@ -140,13 +149,17 @@ def _task_resources(task_cpus: float, task_memory_gb: float, *, local: bool, pro
     want = f"a shard task asks for {num_cpus:g} CPUs and {memory / GIB:.1f} GiB"
     if local and biggest_cpu > 0 and biggest_memory > 0:
         num_cpus, memory = min(num_cpus, biggest_cpu), min(memory, int(biggest_memory))
-        _note(progress, f"{want}, but this machine has {biggest_cpu:g} CPUs and {biggest_memory / GIB:.1f} GiB for Ray: using {num_cpus:g} CPUs and {memory / GIB:.1f} GiB")
+        _note(
+            progress,
+            f"{want}, but this machine has {biggest_cpu:g} CPUs and {biggest_memory / GIB:.1f} GiB for Ray: "
+            f"using {num_cpus:g} CPUs and {memory / GIB:.1f} GiB",
+        )
     else:
         _note(progress, f"warning: {want}; {have}: tasks wait until the cluster can place them (autoscaler)")
     return num_cpus, memory
 
 
-def _loop(remote, job_ref, shards, max_inflight, max_attempts, summary: RaySummary, progress: Progress) -> None:
+def _loop(remote, options, job_ref, shards, max_inflight, max_attempts, summary: RaySummary, progress) -> None:
     queue = deque(shards)
     inflight: dict[ray.ObjectRef, str] = {}
     try:
@@ -154,7 +167,8 @@ def _loop(remote, job_ref, shards, max_inflight, max_attempts, summary: RaySumma
             while queue and len(inflight) < max_inflight:
                 rel = queue.popleft()
                 summary.attempts[rel] = summary.attempts.get(rel, 0) + 1
-                inflight[remote.remote(job_ref, rel)] = rel
+                task = remote.options(**options, name=f"sidecar-shard {rel}")  # the name shows in the dashboard
+                inflight[task.remote(job_ref, rel)] = rel
             ready, _ = ray.wait(list(inflight), num_returns=1)
             for ref in ready:
                 rel = inflight.pop(ref)
@@ -183,7 +197,7 @@ def _collect(ref, rel: str, max_attempts: int, summary: RaySummary, progress: Pr
             summary.failures[rel] = f"{type(cause).__name__}: {cause}"
         else:
             summary.failures[rel] = f"{type(exc).__name__}: {_first_line(exc)}"
-    except Exception as exc:  # unschedulable, runtime env setup, cancelled, ...: not worth retrying
+    except Exception as exc:  # noqa: BLE001 - unschedulable, runtime env setup, cancelled: not worth retrying
         summary.failures[rel] = f"{type(exc).__name__}: {_first_line(exc)}"
     else:
         summary.results[rel] = result
@@ -204,4 +218,4 @@ def _note(progress: Progress, message: str) -> None:
         print(f"[ray] {message}", file=progress.stream or sys.stderr, flush=True)
 
 
-__all__ = ["LOST_TASK_ERRORS", "RaySummary", "connect", "run_shards_on_ray"]
+__all__ = ["LOST_TASK_ERRORS", "RayConnectionError", "RaySummary", "connect", "run_shards_on_ray"]

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.audit import AuditRecord, ErrorCode, audit_arrays, audit_columns
-from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, process_image
+from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, pipeline_settings, process_image
 from fixed_res_sidecar.io.locations import Location, check_output_location
 from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, package_version
 
@@ -76,7 +76,7 @@ def build_settings(
         "audit_prefix": output.audit_prefix,
         "key_column": key_column,
         "image_column": image_column,
-        "resample": "lanczos",
+        **pipeline_settings(),
         **dataclasses.asdict(options),
         "versions": {"fixed_res_sidecar": package_version(), **library_versions()},
     }

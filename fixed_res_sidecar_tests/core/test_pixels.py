@@ -214,16 +214,20 @@ def test_huge_png_header_is_refused_without_decoding(bad_images):
     results = process_image(data, BOTH_AREAS, DEFAULT)
     # Decoding would need 6.4 GB and would then fail on the missing pixel data.
     assert time.perf_counter() - started < 0.5
-    assert results[0].record == results[1].record == AuditRecord(
-        valid=False,
-        error="too_large",
-        error_detail="source has 1600000000 pixels (40000x40000), more than max_source_pixels=200000000",
-        src_width=40000,
-        src_height=40000,
-        src_format="PNG",
-        src_mode="RGB",
-        exif_orientation=1,
-        n_frames=1,
+    assert (
+        results[0].record
+        == results[1].record
+        == AuditRecord(
+            valid=False,
+            error="too_large",
+            error_detail="source has 1600000000 pixels (40000x40000), more than max_source_pixels=200000000",
+            src_width=40000,
+            src_height=40000,
+            src_format="PNG",
+            src_mode="RGB",
+            exif_orientation=1,
+            n_frames=1,
+        )
     )
 
 
@@ -440,7 +444,12 @@ def test_cmyk_jpeg_colours_are_right():
     (result,) = run(data)
     image = assert_valid_output(result, (256, 256), AREA_512).convert("RGB")
     assert result.record.src_mode == "CMYK"
-    expected = {(0.25, 0.25): (0, 255, 255), (0.75, 0.25): (255, 0, 255), (0.25, 0.75): (255, 255, 0), (0.75, 0.75): (0, 0, 0)}
+    expected = {
+        (0.25, 0.25): (0, 255, 255),
+        (0.75, 0.25): (255, 0, 255),
+        (0.25, 0.75): (255, 255, 0),
+        (0.75, 0.75): (0, 0, 0),
+    }
     for (fx, fy), colour in expected.items():
         assert close(pixel(image, fx, fy), colour, 12), ((fx, fy), pixel(image, fx, fy))
 
@@ -458,6 +467,17 @@ def test_sixteen_bit_grey_keeps_its_range():
     (result,) = run(data, output_format="png")
     out = np.asarray(assert_valid_output(result, (128, 128), AREA_512, PixelOptions(output_format="png")))
     assert out.min() <= 2 and out.max() >= 253 and out.dtype == np.uint8
+
+
+def test_sixteen_bit_grey_transparent_value_becomes_alpha():
+    values = np.full((48, 64), 40000, dtype=np.uint16)
+    values[:, :32] = 1000
+    image = Image.fromarray(values)
+    (result,) = run(png_bytes(image, transparency=1000), output_format="png")
+    out = assert_valid_output(result, (64, 48), AREA_512, PixelOptions(output_format="png"))
+    assert out.mode == "LA"
+    assert pixel(out, 0.1, 0.5)[1] == 0
+    assert pixel(out, 0.9, 0.5) == (156, 255)
 
 
 def test_palette_png_transparency_is_kept():
@@ -530,11 +550,19 @@ def test_webp_input():
     assert close(pixel(image, 0.5, 0.5), (20, 140, 220), 6)
 
 
-@pytest.mark.parametrize("mode", ["1", "L", "P", "RGB", "I;16", "I"])
+@pytest.mark.parametrize("mode", ["1", "L", "P", "RGB", "I;16", "I;16B", "I"])
 def test_odd_modes_become_eight_bit(mode):
-    source = Image.linear_gradient("L").resize((128, 96)).convert(mode if mode not in ("I;16", "I") else "L")
-    if mode in ("I;16", "I"):
-        source = Image.fromarray(np.asarray(source).astype(np.uint16) * 257).convert(mode)
+    source = Image.linear_gradient("L").resize((128, 96))
+    if mode.startswith("I"):
+        values = np.asarray(source).astype(np.uint16) * 257
+        byte_order = ">u2" if mode == "I;16B" else "<u2"
+        source = Image.frombytes(
+            "I;16B" if mode == "I;16B" else "I;16", source.size, values.astype(byte_order).tobytes()
+        )
+        source = source.convert("I") if mode == "I" else source
+    else:
+        source = source.convert(mode)
+    assert source.mode == mode
     (result,) = run(encode(source, "TIFF"), output_format="png")
     image = assert_valid_output(result, (128, 96), AREA_512, PixelOptions(output_format="png"))
     assert image.mode in ("L", "RGB")

@@ -204,7 +204,9 @@ def test_a_shard_that_keeps_dying_fails_and_skip_existing_finishes_it(
             assert_same_output(ref, on_ray, rel)
 
 
-def test_a_job_exception_fails_its_shard_once_and_others_finish(ray_cluster, sample_main, tmp_path, monkeypatch, capsys):
+def test_a_job_exception_fails_its_shard_once_and_others_finish(
+    ray_cluster, sample_main, tmp_path, monkeypatch, capsys
+):
     Path(sample_main.child("broken.parquet")).write_bytes(b"PAR1 this is not parquet")
     markers = tmp_path / "markers"
     use_wrapper(monkeypatch, markers)
@@ -231,19 +233,27 @@ def test_runner_keeps_max_inflight_and_reports_progress(ray_cluster, tmp_path):
     assert summary.failures == {"bad.parquet": "ValueError: bad.parquet: not a readable Parquet file"}
     assert summary.attempts == dict.fromkeys(shards, 1) and not summary.ok
     spans = sorted(json.loads(p.read_text())[:2] for p in tmp_path.iterdir())
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), spans  # one at a time
+    assert all(end <= next_start for (_, end), (next_start, _) in itertools.pairwise(spans)), spans  # one at a time
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3 and lines[-1].startswith("[3/3 shards, 1 failed, ")
     assert "bad.parquet: FAILED: ValueError" in stream.getvalue()
 
 
-def _run_cli_subprocess(args: list[str], *, block_ray: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
+def _run_cli_subprocess(
+    args: list[str], *, block_ray: bool = False, timeout: float = 240
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    prelude = "import sys\nif %r: sys.modules['ray'] = None\n" % block_ray
+    prelude = f"import sys\nif {block_ray!r}: sys.modules['ray'] = None\n"
     code = prelude + "from fixed_res_sidecar.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO
+        [sys.executable, "-c", code, *args],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
     )
 
 

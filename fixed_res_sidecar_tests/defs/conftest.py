@@ -1,0 +1,102 @@
+"""Small datasets and helpers for the Dagster-layer tests (runs are in process, on test instances)."""
+
+import logging
+import shutil
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
+from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.sample_data import write_sample_dataset
+
+# Two shards, one in a nested folder; row 6 of each is a bad row (null image). Small
+# pictures keep a shard run to a few seconds.
+TINY_SHARDS = ("part-a.parquet", "nested/x/part-b.parquet")
+TINY_ROWS = 7
+TINY_SIZES = ((320, 240), (240, 320), (400, 225))
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+logging.getLogger("dagster").setLevel(logging.WARNING)
+
+
+def write_tiny(location: Location | str, shards=TINY_SHARDS) -> list[str]:
+    return write_sample_dataset(location, shards=shards, rows_per_shard=TINY_ROWS, row_group_size=4, sizes=TINY_SIZES)
+
+
+@pytest.fixture(scope="session")
+def tiny_main_template(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny-main")
+    write_tiny(root)
+    return root
+
+
+@pytest.fixture
+def tiny_main(tiny_main_template, tmp_path) -> Location:
+    """A fresh local copy of a two-shard main dataset."""
+    root = tmp_path / "main" / "tiny"
+    shutil.copytree(tiny_main_template, root)
+    return Location.parse(root)
+
+
+def dataset_entry(name: str, main: Location | str, output_root: Location | str, **extra) -> dict:
+    main_uri = main.uri if isinstance(main, Location) else str(main)
+    root_uri = output_root.uri if isinstance(output_root, Location) else str(output_root)
+    entry = {"name": name, "main_prefix": main_uri, "output_root": root_uri, "verify_sample": 8, "overlay_sample": 1, "overlay_embed": 1}
+    entry.update(extra)
+    return entry
+
+
+def make_config(*entries: dict) -> SidecarConfig:
+    return parse_config({"datasets": list(entries)}, source="test config")
+
+
+@pytest.fixture
+def tiny_config(tiny_main, tmp_path) -> SidecarConfig:
+    return make_config(dataset_entry("tiny", tiny_main, tmp_path / "out"))
+
+
+@pytest.fixture
+def tiny_defs(tiny_config) -> dg.Definitions:
+    return build_definitions(tiny_config)
+
+
+@pytest.fixture
+def instance():
+    with dg.instance_for_test() as instance:
+        yield instance
+
+
+def register(instance: dg.DagsterInstance, config: SidecarConfig, name: str | None = None) -> list[str]:
+    """Register every shard of a dataset as a partition and observe it, as the sensor does."""
+    from fixed_res_sidecar.defs.sensors import apply_tick, discovery_tick
+
+    dataset = config.dataset(name) if name else config.datasets[0]
+    return apply_tick(instance, discovery_tick(dataset, set(), None))
+
+
+def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection=None) -> dg.ExecuteInProcessResult:
+    job = defs.resolve_job_def(job_name)
+    return job.execute_in_process(
+        partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET, asset_selection=selection
+    )
+
+
+def check_partition_status(instance, check_keys, rels) -> dict[tuple[str, str | None], str]:
+    infos = instance.event_log_storage.get_asset_check_partition_info(list(check_keys), partition_keys=list(rels))
+    return {(i.check_key.to_user_string(), i.partition_key): i.latest_execution_status.value for i in infos}
+
+
+def swap_two_keys(location: Location, rel: str) -> None:
+    """Damage a resized shard: swap the keys of rows 0 and 1, keep the footer's build settings."""
+    path = Path(location.child(rel))
+    table = pq.read_table(path)
+    keys = table.column("image_key").to_pylist()
+    keys[0], keys[1] = keys[1], keys[0]
+    import pyarrow as pa
+
+    damaged = table.set_column(0, table.schema.field(0), pa.array(keys, table.schema.field(0).type))
+    pq.write_table(damaged.replace_schema_metadata(table.schema.metadata), path)

@@ -1,0 +1,127 @@
+"""The code location loads and validates (in process and with the real `dagster` CLI); datasets stay apart."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import yaml
+
+from fixed_res_sidecar.defs.config import DATASETS_ENV, REPO_ROOT
+from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config
+
+
+def dagster_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dagster", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def cli_env(tmp_path: Path, datasets: Path | None = None) -> dict[str, str]:
+    home = tmp_path / "dagster_home"
+    home.mkdir(exist_ok=True)
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")  # validates the repo's instance file too
+    env = {k: v for k, v in os.environ.items() if k != DATASETS_ENV}
+    env["DAGSTER_HOME"] = str(home)
+    if datasets is not None:
+        env[DATASETS_ENV] = str(datasets)
+    return env
+
+
+def test_repo_definitions_load_and_validate():
+    from fixed_res_sidecar.defs.definitions import defs
+
+    dg.Definitions.validate_loadable(defs)
+    keys = DatasetKeys("sample")
+    assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
+        "sample/main", "sample/resized_512", "sample/resized_1024", "sample/verify_512", "sample/verify_1024",
+        "sample/crop_bbox",
+    }
+    job = defs.resolve_job_def(keys.shard_job)
+    assert job.partitions_def.name == "sample_shards"
+    assert job.executor_def is dg.in_process_executor
+    assert job.run_tags[DATASET_TAG] == "sample"
+    assert defs.resolve_sensor_def(keys.discovery_sensor).default_status == dg.DefaultSensorStatus.RUNNING
+    assert defs.resolve_sensor_def(keys.automation_sensor).default_status == dg.DefaultSensorStatus.RUNNING
+    assert defs.resolve_schedule_def("sample__dataset_check_hourly").cron_schedule == "0 * * * *"
+
+
+def test_dagster_cli_validates_the_workspace(tmp_path):
+    result = dagster_cli("definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Validation successful for code location fixed_res_sidecar" in result.stdout + result.stderr
+
+
+def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):
+    bad = tmp_path / "datasets.yaml"
+    bad.write_text(
+        yaml.safe_dump({"datasets": [{"name": "laion", "main_prefix": str(tmp_path / "main"), "output_root": str(tmp_path / "main" / "out")}]})
+    )
+    result = dagster_cli("definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, bad))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "dataset 'laion', field 'outputs.resized_512'" in output and "read-only" in output
+
+
+def test_two_datasets_stay_separate(tmp_path):
+    config = make_config(
+        dataset_entry("laion", tmp_path / "laion" / "main", tmp_path / "laion" / "out", run_resources={"cpu": 4, "memory_gb": 16}),
+        dataset_entry("coco", tmp_path / "coco" / "main", tmp_path / "coco" / "out"),
+    )
+    defs = build_definitions(config)
+    dg.Definitions.validate_loadable(defs)
+    graph = defs.resolve_asset_graph()
+    laion, coco = DatasetKeys("laion"), DatasetKeys("coco")
+    for keys in (laion, coco):
+        own = [k for k in graph.get_all_asset_keys() if k.path[0] == keys.dataset]
+        assert len(own) == 6
+        assert {graph.get(k).group_name for k in own} == {keys.dataset}
+        assert {graph.get(k).partitions_def.name for k in own} == {keys.partitions}
+        # No edge crosses datasets.
+        for key in own:
+            assert all(parent.path[0] == keys.dataset for parent in graph.get(key).parent_keys)
+        job = defs.resolve_job_def(keys.shard_job)
+        assert {k.path[0] for k in job.asset_layer.executable_asset_keys} == {keys.dataset}
+        assert job.run_tags[DATASET_TAG] == keys.dataset
+        checks = [k for k in graph.asset_check_keys if k.asset_key.path[0] == keys.dataset]
+        assert len(checks) == 4 + 4 + 6 + 1
+    assert '"num_cpus": 4.0' in defs.resolve_job_def(laion.shard_job).run_tags["dagster-ray/config"]
+    assert defs.resolve_sensor_def(laion.discovery_sensor).job_name == "laion__shard"
+    assert defs.resolve_sensor_def(coco.discovery_sensor).job_name == "coco__shard"
+    assert defs.resolve_sensor_def(laion.automation_sensor) is not defs.resolve_sensor_def(coco.automation_sensor)
+
+    # Partitions of one dataset are not partitions of the other.
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions(laion.partitions, ["part-0.parquet"])
+        laion_parts = graph.get(laion.crop_bbox).partitions_def
+        coco_parts = graph.get(coco.crop_bbox).partitions_def
+        assert laion_parts.get_partition_keys(dynamic_partitions_store=instance) == ["part-0.parquet"]
+        assert coco_parts.get_partition_keys(dynamic_partitions_store=instance) == []
+
+
+def test_instance_file_limits_runs_per_dataset(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(REPO_ROOT / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    with dg.DagsterInstance.get() as instance:
+        queue = instance.get_concurrency_config().run_queue_config
+        assert queue.max_concurrent_runs >= 1
+        (limit,) = queue.tag_concurrency_limits
+        assert limit["key"] == DATASET_TAG and limit["value"] == {"applyLimitPerUniqueValue": True}
+
+
+def test_workspace_points_at_the_definitions_module():
+    workspace = yaml.safe_load((REPO_ROOT / "workspace.yaml").read_text())
+    (location,) = workspace["load_from"]
+    assert location["python_module"]["module_name"] == "fixed_res_sidecar.defs.definitions"

@@ -1,0 +1,50 @@
+"""`sidecar-ops demo`: the whole graph through Dagster on a local sample; a second run does no work."""
+
+import os
+
+import dagster as dg
+
+from fixed_res_sidecar import demo
+from fixed_res_sidecar.cli import main as cli_main
+from fixed_res_sidecar.defs.keys import DatasetKeys
+
+
+def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("SIDECAR_DATASETS", raising=False)
+    workdir = tmp_path / "demo"
+    said: list[str] = []
+
+    first = demo.run_demo(workdir, shards=2, rows_per_shard=6, say=said.append)
+    assert first.created_sample and first.ok
+    assert [s.status for s in first.shards] == ["built", "built"]
+    assert sorted(first.new_partitions) == ["part-00000.parquet", "part-00001.parquet"]
+    assert first.dagster_home == workdir / "dagster_home"
+    assert (first.dagster_home / "dagster.yaml").exists()  # the repo's instance settings
+    assert "DAGSTER_HOME" not in os.environ  # restored
+    for resolution in ("512", "1024"):
+        rows = first.rows[resolution]
+        assert rows["valid"] + rows["invalid"] == 12 and rows["invalid"] == sum(rows["errors"].values()) >= 1
+    assert len(first.checks) == 4 + 4 + 6
+    assert all(counter["passed"] == 2 for counter in first.checks.values())
+    assert first.dataset_check is not None and first.dataset_check[0]
+    assert first.overlays and all(path.endswith(".png") for path in first.overlays)
+    text = demo.format_summary(first)
+    assert "2 built now, 0 already up to date, 0 failed" in text and "result: OK" in text
+    assert "overlay pictures" in text and str(workdir / "out" / "verifier_reports" / "sample" / "overlays") in text
+
+    # The instance is persistent: the runs and partitions are there for `dagster dev`.
+    monkeypatch.setenv("DAGSTER_HOME", str(first.dagster_home))
+    with dg.DagsterInstance.get() as instance:
+        assert sorted(instance.get_dynamic_partitions("sample_shards")) == sorted(first.new_partitions)
+        assert instance.get_materialized_partitions(DatasetKeys("sample").crop_bbox) == set(first.new_partitions)
+        runs_before = len(instance.get_run_records())
+    monkeypatch.delenv("DAGSTER_HOME")
+
+    # Second run, through the real CLI entry point: nothing to build, only the dataset check runs.
+    assert cli_main(["demo", "--workdir", str(workdir)]) == 0
+    out = capsys.readouterr().out
+    assert "0 built now, 2 already up to date, 0 failed" in out and "result: OK" in out
+    monkeypatch.setenv("DAGSTER_HOME", str(first.dagster_home))
+    with dg.DagsterInstance.get() as instance:
+        assert len(instance.get_run_records()) == runs_before + 1
