@@ -17,7 +17,7 @@ if ! dpkg -s $APT_PACKAGES >/dev/null 2>&1; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $APT_PACKAGES >/dev/null
 fi
 
-"$PYTHON" -m pip install -q --disable-pip-version-check --no-binary pillow-simd -e ".[test,ray]"
+"$PYTHON" -m pip install -q --disable-pip-version-check --no-binary pillow-simd -e ".[test,ray,deploy]"
 
 # Plain Pillow installs the same PIL package; if anything pulled it in, it shadows pillow-simd.
 if "$PYTHON" -m pip show Pillow >/dev/null 2>&1; then

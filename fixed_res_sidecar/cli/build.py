@@ -141,16 +141,20 @@ def run(args) -> int:
                 file=sys.stderr,
             )
             return 2
-        summary = ray_runner.run_shards_on_ray(
-            job,
-            shards,
-            address=args.ray_address,
-            max_inflight=args.max_inflight,
-            task_cpus=args.task_cpus,
-            task_memory_gb=args.task_memory_gb,
-            max_attempts=args.max_attempts,
-            progress=progress,
-        )
+        try:
+            summary = ray_runner.run_shards_on_ray(
+                job,
+                shards,
+                address=args.ray_address,
+                max_inflight=args.max_inflight,
+                task_cpus=args.task_cpus,
+                task_memory_gb=args.task_memory_gb,
+                max_attempts=args.max_attempts,
+                progress=progress,
+            )
+        except ray_runner.RayConnectionError as exc:
+            print(f"sidecar-ops: error: {exc}", file=sys.stderr)
+            return 2
     else:
         workers = local_workers(args.max_inflight, args.task_cpus)
         summary = run_shards(job, shards, workers=workers, max_attempts=args.max_attempts, progress=progress)
