@@ -4,7 +4,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fixed_res_sidecar.cli import build, crop_bbox, verify
+from fixed_res_sidecar.cli import build, crop_bbox, demo, verify
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -12,14 +12,8 @@ def make_parser() -> argparse.ArgumentParser:
         prog="sidecar-ops", description="Fixed-area resized sidecars of a sharded Parquet image dataset."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (build, crop_bbox, verify):
+    for module in (build, crop_bbox, verify, demo):
         module.add_parser(subparsers)
-    try:
-        from fixed_res_sidecar.cli import demo
-    except ImportError:  # the Dagster face is optional for the plain CLI
-        pass
-    else:
-        demo.add_parser(subparsers)
     return parser
 
 

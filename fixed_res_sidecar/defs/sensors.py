@@ -83,12 +83,8 @@ def discover_shards(
     """
     cursor = cursor or ShardCursor()
     found = Discovery(cursor=ShardCursor(after=None, passes=cursor.passes))
-    for page in main.iter_shard_pages(page_size=page_size):
-        if cursor.after is not None and page[-1] <= cursor.after:
-            continue  # wholly before the resume point
+    for page in main.iter_shard_pages(page_size=page_size, start_after=cursor.after):
         for rel in page:
-            if cursor.after is not None and rel <= cursor.after:
-                continue
             found.examined += 1
             if rel in known:
                 continue

@@ -97,9 +97,14 @@ class Location:
 
     # -- listing -------------------------------------------------------------------
 
-    def iter_shard_pages(self, suffix: str = SHARD_SUFFIX, page_size: int = 1000) -> Iterator[list[str]]:
-        """Relative paths of shards at any depth, in pages (S3 lists in key order, 1000 a page)."""
-        for page in self._iter_shard_entries(suffix, page_size):
+    def iter_shard_pages(
+        self, suffix: str = SHARD_SUFFIX, page_size: int = 1000, start_after: str | None = None
+    ) -> Iterator[list[str]]:
+        """Relative paths of shards at any depth, in pages, in key order, after `start_after`.
+
+        `start_after` lets a sensor resume a listing of 100,000 shards without reading it all.
+        """
+        for page in self._iter_shard_entries(suffix, page_size, start_after):
             yield [rel for rel, _ in page]
 
     def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
@@ -110,12 +115,15 @@ class Location:
         """rel -> bytes of every shard, sorted by rel (what `aws s3 ls --recursive` shows)."""
         return dict(sorted(entry for page in self._iter_shard_entries(suffix, 1000) for entry in page))
 
-    def _iter_shard_entries(self, suffix: str, page_size: int) -> Iterator[list[tuple[str, int]]]:
+    def _iter_shard_entries(
+        self, suffix: str, page_size: int, start_after: str | None = None
+    ) -> Iterator[list[tuple[str, int]]]:
         if self.is_s3:
             paginator = s3_client().get_paginator("list_objects_v2")
             prefix = f"{self.path}/" if self.path else ""
+            extra = {"StartAfter": prefix + start_after} if start_after else {}
             pages = paginator.paginate(
-                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}, **extra
             )
             for page in pages:
                 entries = [(obj["Key"][len(prefix) :], obj["Size"]) for obj in page.get("Contents", [])]
@@ -130,7 +138,7 @@ class Location:
             for name in files:
                 path = Path(folder, name)
                 rel = path.relative_to(root).as_posix()
-                if _is_shard(rel, suffix):
+                if _is_shard(rel, suffix) and (start_after is None or rel > start_after):
                     found.append((rel, path.stat().st_size))
         found.sort()
         for start in range(0, len(found), page_size):

@@ -36,6 +36,8 @@ def test_local_listing_any_depth_sorted_without_temporaries(tmp_path):
     location = Location.parse(tmp_path)
     assert location.list_shards() == ["a/1.parquet", "a/z/2.parquet", "b.parquet"]
     assert list(location.iter_shard_pages(page_size=2)) == [["a/1.parquet", "a/z/2.parquet"], ["b.parquet"]]
+    assert list(location.iter_shard_pages(start_after="a/1.parquet")) == [["a/z/2.parquet", "b.parquet"]]
+    assert location.shard_sizes() == {"a/1.parquet": 1, "a/z/2.parquet": 1, "b.parquet": 1}
     assert Location.parse(tmp_path / "missing").list_shards() == []
 
 
@@ -103,6 +105,7 @@ def test_s3_round_trip(s3_bucket):
     assert location.list_shards() == ["x/2.parquet", "x/y/1.parquet", "z.parquet"]
     pages = list(location.iter_shard_pages(page_size=2))  # 4 objects listed 2 a page; the JSON is not a shard
     assert len(pages) == 2 and sum(pages, []) == location.list_shards()
+    assert list(location.iter_shard_pages(start_after="x/2.parquet")) == [["x/y/1.parquet", "z.parquet"]]
     assert location.parquet_file("x/y/1.parquet").metadata.num_rows == 2
     assert location.read_bytes("x/report.json") == b"{}"
     assert location.size("missing.parquet") is None
