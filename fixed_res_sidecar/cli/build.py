@@ -5,26 +5,21 @@ import functools
 import sys
 from collections import Counter
 
-from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
 from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
 from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
 from fixed_res_sidecar.jobs.runner import Progress, RunSummary, local_workers, run_shards
 
-RESOLUTIONS = {
-    "512": (AREA_512, "0_26mp_process"),
-    "1024": (AREA_1024, "1_05mp_process"),
-}
-
 
 def add_parser(subparsers) -> None:
     for command, resolution in (("build-0-262mp", "512"), ("build-1-05mp", "1024")):
-        area, audit_prefix = RESOLUTIONS[resolution]
+        area = RESOLUTIONS[resolution].area
         parser = subparsers.add_parser(
             command, help=f"build the {area:,} px-area resized dataset", description=f"Resize to {area:,} px area."
         )
         parser.add_argument("--output-prefix", required=True, help="where the resized dataset goes")
-        parser.add_argument("--audit-prefix", default=audit_prefix, help="prefix of the audit columns")
+        parser.add_argument("--audit-prefix", default=RESOLUTIONS[resolution].audit_prefix, help="prefix of the audit columns")
         parser.set_defaults(func=run, resolutions=[resolution])
         _add_common(parser)
     fused = subparsers.add_parser(
@@ -32,8 +27,8 @@ def add_parser(subparsers) -> None:
     )
     fused.add_argument("--output-prefix-512", required=True)
     fused.add_argument("--output-prefix-1024", required=True)
-    fused.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"][1])
-    fused.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"][1])
+    fused.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"].audit_prefix)
+    fused.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"].audit_prefix)
     fused.set_defaults(func=run, resolutions=["512", "1024"])
     _add_common(fused)
 
@@ -68,7 +63,7 @@ def _outputs(args) -> list[ResizedOutput]:
     else:
         prefixes = {args.resolutions[0]: (args.output_prefix, args.audit_prefix)}
     return [
-        ResizedOutput(Location.parse(uri), RESOLUTIONS[resolution][0], audit_prefix)
+        ResizedOutput(Location.parse(uri), RESOLUTIONS[resolution].area, audit_prefix)
         for resolution, (uri, audit_prefix) in prefixes.items()
     ]
 
@@ -109,8 +104,8 @@ def run(args) -> int:
         outputs = _outputs(args)
         for output in outputs:
             check_output_location(main, output.location)
-        if len({o.location for o in outputs}) != len(outputs):
-            raise ValueError("the 512 and 1024 outputs must be different locations")
+        if len(outputs) == 2 and outputs[0].location.overlaps(outputs[1].location):
+            raise ValueError("the 512 and 1024 outputs must not be the same folder or one inside the other")
         options = _pixel_options(args)
     except (ValueError, LocationError) as exc:
         print(f"sidecar-ops: error: {exc}", file=sys.stderr)
