@@ -10,6 +10,7 @@ import contextlib
 import functools
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import pyarrow.parquet as pq
 
 SHARD_SUFFIX = ".parquet"
 S3_MAX_ATTEMPTS = 10
+STALE_TEMPORARY_SECONDS = 6 * 3600
 
 
 class LocationError(ValueError):
@@ -186,6 +188,8 @@ class Location:
             return
         final = Path(self.path, rel)
         final.parent.mkdir(parents=True, exist_ok=True)
+        # A crashed writer's temporary is garbage once it is older than any write could take.
+        self.remove_stale_temporaries(rel, older_than=STALE_TEMPORARY_SECONDS)
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             yield str(tmp)
@@ -197,15 +201,25 @@ class Location:
         with self.write_atomic(rel, protect) as tmp:
             Path(tmp).write_bytes(data)
 
-    def remove_stale_temporaries(self, rel: str) -> int:
-        """Delete temporaries a crashed local write left beside `rel`; S3 leaves none."""
+    def remove_stale_temporaries(self, rel: str, older_than: float = 0.0) -> int:
+        """Delete temporaries a crashed local write left beside `rel`, if older than `older_than` s.
+
+        S3 writes leave no object; an upload killed mid-way leaves an incomplete multipart
+        upload, which a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes.
+        """
         if self.is_s3:
             return 0
         final = Path(self.path, _check_rel(rel))
-        stale = list(final.parent.glob(f".{final.name}.*.tmp")) if final.parent.is_dir() else []
-        for tmp in stale:
-            tmp.unlink(missing_ok=True)
-        return len(stale)
+        cutoff = time.time() - older_than
+        removed = 0
+        for tmp in final.parent.glob(f".{final.name}.*.tmp") if final.parent.is_dir() else []:
+            try:
+                if tmp.stat().st_mtime <= cutoff:
+                    tmp.unlink()
+                    removed += 1
+            except FileNotFoundError:  # another writer finished or cleaned it meanwhile
+                pass
+        return removed
 
 
 def check_output_location(main: Location, output: Location, what: str = "output") -> None:
@@ -232,6 +246,7 @@ def _check_rel(rel: str) -> str:
 
 
 def _aws_settings() -> tuple[str | None, str | None, str | None]:
+    """The settings that change which client is right (the cache key of the clients)."""
     return (
         os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
         os.environ.get("AWS_PROFILE"),
@@ -247,28 +262,35 @@ def s3_filesystem() -> pafs.S3FileSystem:
     return _s3_filesystem(*_aws_settings())
 
 
+# Credentials of these kinds never change, so pyarrow may hold a copy; others (assumed roles,
+# instance profiles, SSO) expire and are left to pyarrow's own AWS chain, which refreshes them.
+STATIC_CREDENTIAL_METHODS = {"explicit", "env", "shared-credentials-file", "config-file"}
+
+
 @functools.lru_cache(maxsize=8)
 def _s3_client(endpoint: str | None, profile: str | None, region: str | None):
     import boto3
     from botocore.config import Config
 
+    # boto3 reads AWS_ENDPOINT_URL, the region and the profile's endpoint_url itself.
     session = boto3.session.Session(profile_name=profile)
     config = Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
-    # boto3 itself reads AWS_ENDPOINT_URL and the profile's endpoint_url.
     return session.client("s3", config=config)
 
 
 @functools.lru_cache(maxsize=8)
 def _s3_filesystem(endpoint: str | None, profile: str | None, region: str | None) -> pafs.S3FileSystem:
+    import boto3
+
     client = _s3_client(endpoint, profile, region)
     endpoint_url = client.meta.endpoint_url
-    credentials = client._request_signer._credentials
-    frozen = credentials.get_frozen_credentials() if credentials else None
     kwargs = {
         "region": client.meta.region_name or "us-east-1",
         "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS),
     }
-    if frozen is not None:
+    credentials = boto3.session.Session(profile_name=profile).get_credentials()
+    if credentials is not None and credentials.method in STATIC_CREDENTIAL_METHODS:
+        frozen = credentials.get_frozen_credentials()
         kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key, session_token=frozen.token)
     if not (urlparse(endpoint_url).hostname or "").endswith("amazonaws.com"):
         # A custom endpoint (MinIO, moto, ...) that boto3 resolved from the AWS chain.

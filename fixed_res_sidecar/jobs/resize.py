@@ -20,9 +20,12 @@ import pyarrow.parquet as pq
 from fixed_res_sidecar.core.audit import AuditRecord, ErrorCode, audit_arrays, audit_columns
 from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, pipeline_settings, process_image
 from fixed_res_sidecar.io.locations import Location, check_output_location
-from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, package_version
+from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
+# Bump when a code change alters output bytes or columns: skip-existing then rebuilds. Not the
+# package version, which would rebuild billions of images for unrelated releases.
+RESIZE_OUTPUT_VERSION = 1
 
 
 class ShardError(RuntimeError):
@@ -78,7 +81,7 @@ def build_settings(
         "image_column": image_column,
         **pipeline_settings(),
         **dataclasses.asdict(options),
-        "versions": {"fixed_res_sidecar": package_version(), **library_versions()},
+        "versions": {"resize_output": RESIZE_OUTPUT_VERSION, **library_versions()},
     }
 
 
@@ -143,7 +146,8 @@ def _build(source, main, rel, todo, settings, summaries, key_column, image_colum
             writer = pq.ParquetWriter(
                 tmp,
                 schema,
-                compression="zstd",
+                # WebP bytes do not compress: spend no CPU on them, zstd on the rest.
+                compression={name: "NONE" if name == image_column else "ZSTD" for name in schema.names},
                 use_dictionary=[key_column],
                 write_statistics=[key_column],
             )
@@ -151,19 +155,30 @@ def _build(source, main, rel, todo, settings, summaries, key_column, image_colum
             writers.append(writer)
         pool = stack.enter_context(ThreadPoolExecutor(threads)) if threads > 1 else None
         results = _ordered_map(pool, lambda row: _process_row(row[1], areas, options), rows, 4 * max(1, threads))
+        # The buffer holds outputs, keys and struct side fields only: source bytes are dropped
+        # as soon as their row is processed, so memory is bounded by rows in flight.
         buffer: list[tuple[Any, Any, list[ImageResult]]] = []
-        for (key, image), per_area in results:
-            buffer.append((key, image, per_area))
+        for (key, _, side_fields), per_area in results:
+            buffer.append((key, side_fields, per_area))
             if len(buffer) >= OUTPUT_ROW_GROUP_ROWS:
                 _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
         _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
         # Closing happens before write_atomic publishes: ExitStack unwinds in reverse order.
 
 
-def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[Any, Any]]:
-    """(key, image cell) per row, one row group in memory at a time."""
+def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(key, image bytes, struct side fields) per row, one row group in memory at a time.
+
+    Side fields are the struct's other fields ({bytes, path} layout: the path), or None for a
+    plain bytes column or a null struct.
+    """
     for batch in source.iter_batches(batch_size=OUTPUT_ROW_GROUP_ROWS, columns=[key_column, image_column]):
-        yield from zip(batch.column(0).to_pylist(), batch.column(1).to_pylist())
+        for key, cell in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+            if isinstance(cell, dict):
+                data = cell.pop("bytes", None)
+                yield key, data, cell
+            else:
+                yield key, cell, None
 
 
 def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tuple[Any, Any]]:
@@ -183,8 +198,7 @@ def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tupl
         yield first, future.result()
 
 
-def _process_row(cell: Any, areas: list[int], options: PixelOptions) -> list[ImageResult]:
-    data = cell.get("bytes") if isinstance(cell, dict) else cell
+def _process_row(data: bytes | None, areas: list[int], options: PixelOptions) -> list[ImageResult]:
     try:
         return process_image(data, areas, options)
     except Exception as exc:  # process_image should not raise; if it does, the row is still audited
@@ -198,7 +212,7 @@ def _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows) ->
     keys = pa.array([key for key, _, _ in buffer], type=key_field.type)
     for index, (output, writer) in enumerate(zip(todo, writers)):
         results = [per_area[index] for _, _, per_area in buffer]
-        images = _image_array([cell for _, cell, _ in buffer], [r.image for r in results], image_field.type)
+        images = _image_array([side for _, side, _ in buffer], [r.image for r in results], image_field.type)
         records = [r.record for r in results]
         columns = {key_field.name: keys, image_field.name: images, **audit_arrays(output.audit_prefix, records)}
         writer.write_table(pa.table(columns, schema=writer.schema))
@@ -213,15 +227,15 @@ def _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows) ->
     buffer.clear()
 
 
-def _image_array(cells: list[Any], encoded: list[bytes | None], dtype: pa.DataType) -> pa.Array:
+def _image_array(side_fields: list[Any], encoded: list[bytes | None], dtype: pa.DataType) -> pa.Array:
     if not pa.types.is_struct(dtype):
         return pa.array(encoded, type=dtype)
     # Hugging Face Image layout: keep the struct, replace the bytes, keep the other fields.
     values = []
-    for cell, data in zip(cells, encoded):
-        if cell is None:
+    for side, data in zip(side_fields, encoded):
+        if side is None:
             values.append(None if data is None else {"bytes": data})
         else:
-            values.append({**cell, "bytes": data})
+            values.append({**side, "bytes": data})
     return pa.array(values, type=dtype)
 

@@ -72,32 +72,54 @@ def run_shards(
 
     Processes by default (CPU-bound image work); `threads=True` for light, I/O-bound jobs
     such as the crop sidecar, where starting processes would cost more than it saves.
+
+    When a worker process dies, the pool breaks and every shard it held is lost without
+    knowing which one killed it. Those shards are then run one at a time, so only a shard
+    that kills its worker while running alone is charged an attempt: a shard that is
+    OOM-killed every time cannot take healthy neighbours down with it.
     """
     started = time.monotonic()
     summary = RunSummary()
     progress = progress or Progress(len(shards))
-    attempts = dict.fromkeys(shards, 0)
-    todo = list(shards)
-    context = multiprocessing.get_context("spawn")  # no fork: boto3 and thread pools are not fork-safe
-    while todo:
-        if threads:
-            pool = ThreadPoolExecutor(max_workers=workers)
+    deaths = dict.fromkeys(shards, 0)
+    todo, suspects = list(shards), []
+    while todo or suspects:
+        if suspects:
+            batch, width = [suspects.pop(0)], 1
         else:
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=context)
-        with pool:
-            todo = _run_pool(pool, job, todo, workers, attempts, max_attempts, summary, progress)
+            batch, width, todo = todo, workers, []
+        with _pool(width, threads) as pool:
+            lost, unstarted = _run_pool(pool, job, batch, width, summary, progress)
+        if width == 1 and lost:  # it died alone: it is the culprit
+            (rel,) = lost
+            deaths[rel] += 1
+            if deaths[rel] >= max_attempts:
+                summary.failures[rel] = f"worker process died {deaths[rel]} times (killed or out of memory)"
+                progress.shard_finished(rel, error=summary.failures[rel])
+            else:
+                suspects.insert(0, rel)
+        else:
+            suspects.extend(lost)
+        todo = unstarted + todo
     summary.seconds = time.monotonic() - started
     return summary
 
 
-def _run_pool(pool, job, todo, workers, attempts, max_attempts, summary, progress) -> list[str]:
-    """Submit shards with at most `workers` in flight; return those to retry on a new pool."""
-    queue = list(reversed(todo))
+def _pool(workers: int, threads: bool):
+    if threads:
+        return ThreadPoolExecutor(max_workers=workers)
+    # spawn, not fork: boto3 clients and thread pools are not fork-safe.
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _run_pool(pool, job, batch, workers, summary, progress) -> tuple[list[str], list[str]]:
+    """Run `batch` with at most `workers` in flight. If the pool breaks, return the shards it
+    held (lost) and those not yet started; otherwise two empty lists."""
+    queue = list(reversed(batch))
     running: dict = {}
     while queue or running:
         while queue and len(running) < workers:
             rel = queue.pop()
-            attempts[rel] += 1
             running[pool.submit(job, rel)] = rel
         finished, _ = wait(running, return_when=FIRST_COMPLETED)
         lost = []
@@ -114,17 +136,5 @@ def _run_pool(pool, job, todo, workers, attempts, max_attempts, summary, progres
                 summary.results[rel] = result
                 progress.shard_finished(rel, result)
         if lost:
-            # The pool is gone: every shard it held gets another attempt on a fresh pool.
-            return _requeue_after_crash([*lost, *running.values()], queue, attempts, max_attempts, summary, progress)
-    return []
-
-
-def _requeue_after_crash(lost_shards, queue, attempts, max_attempts, summary, progress) -> list[str]:
-    retry = []
-    for lost in lost_shards:
-        if attempts[lost] >= max_attempts:
-            summary.failures[lost] = f"worker process died {attempts[lost]} times (killed or out of memory)"
-            progress.shard_finished(lost, error=summary.failures[lost])
-        else:
-            retry.append(lost)
-    return retry + list(reversed(queue))
+            return [*lost, *running.values()], list(reversed(queue))
+    return [], []

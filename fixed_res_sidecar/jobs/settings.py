@@ -5,19 +5,12 @@ changes the bytes of an output belongs here.
 """
 
 import json
-from importlib import metadata
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 SETTINGS_KEY = b"fixed_res_sidecar.settings"
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("fixed-resolution-sidecar")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 def encode_settings(settings: dict[str, Any]) -> dict[bytes, bytes]:
@@ -31,14 +24,19 @@ def read_settings(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
 
 
 def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, Any]) -> bool:
-    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match."""
-    try:
-        if not location.exists(rel):
-            return False
-        existing = location.parquet_file(rel)
-        return existing.metadata.num_rows == expected_rows and read_settings(existing) == _normalised(settings)
-    except Exception:  # unreadable or foreign file: rebuild it
+    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match.
+
+    A storage error while checking existence propagates (the shard fails and is retried);
+    it must not make a finished shard look missing and trigger a rebuild.
+    """
+    if not location.exists(rel):
         return False
+    try:
+        existing = location.parquet_file(rel)
+        recorded_rows, recorded = existing.metadata.num_rows, read_settings(existing)
+    except (OSError, ValueError, pa.ArrowException):  # unreadable or not Parquet: rebuild it
+        return False
+    return recorded_rows == expected_rows and recorded == _normalised(settings)
 
 
 def _normalised(settings: dict[str, Any]) -> dict[str, Any]:

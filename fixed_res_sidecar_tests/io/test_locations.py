@@ -1,10 +1,12 @@
+import os
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.io.locations import STALE_TEMPORARY_SECONDS, Location, LocationError, check_output_location
 
 
 def _touch(root: Path, rel: str, data: bytes = b"x") -> None:
@@ -91,8 +93,18 @@ def test_remove_stale_temporaries(tmp_path):
     _touch(tmp_path, "a/.b.parquet.0123456789ab.tmp")
     _touch(tmp_path, "a/b.parquet")
     location = Location.parse(tmp_path)
+    assert location.remove_stale_temporaries("a/b.parquet", older_than=3600) == 0  # may be a live writer's
     assert location.remove_stale_temporaries("a/b.parquet") == 1
     assert location.list_shards() == ["a/b.parquet"] and len(list((tmp_path / "a").iterdir())) == 1
+
+
+def test_a_write_removes_temporaries_crashed_writers_left_long_ago(tmp_path):
+    _touch(tmp_path, "a/.b.parquet.000000000000.tmp")
+    _touch(tmp_path, "a/.b.parquet.111111111111.tmp")
+    old = time.time() - STALE_TEMPORARY_SECONDS - 60
+    os.utime(tmp_path / "a/.b.parquet.000000000000.tmp", (old, old))
+    Location.parse(tmp_path).write_bytes("a/b.parquet", b"x")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".b.parquet.111111111111.tmp", "b.parquet"]
 
 
 def test_s3_round_trip(s3_bucket):

@@ -118,15 +118,19 @@ def test_s3_round_trip(s3_bucket):
         check_resized_dataset(main, output)
 
 
-def test_interrupted_build_leaves_nothing_and_rerun_completes(sample_main, tmp_path):
+def test_interrupted_build_leaves_nothing_and_rerun_completes(sample_main, tmp_path, monkeypatch):
+    monkeypatch.setattr(resize, "OUTPUT_ROW_GROUP_ROWS", 4)  # 10 rows: the crash comes with rows in flight
     outputs = resized_outputs(tmp_path / "out")
     rel = SHARDS[0]
+    flushed = []
 
     def crash_after_first_row_group(rows):
+        flushed.append(rows)
         raise KeyboardInterrupt("worker stopped mid-shard")
 
     with pytest.raises(KeyboardInterrupt):
-        build_resized_shard(sample_main, rel, outputs, on_rows=crash_after_first_row_group)
+        build_resized_shard(sample_main, rel, outputs, threads=2, on_rows=crash_after_first_row_group)
+    assert flushed == [4]  # one row group written to the temporary, six rows to go
     for output in outputs:
         assert not output.location.exists(rel)
         folder = tmp_path / "out" / os.path.relpath(output.location.path, tmp_path / "out")
