@@ -161,17 +161,24 @@ def _check_status(instance, defs, dataset: DatasetConfig, rels: list[str]) -> di
     }
 
 
-def shard_is_done(instance, defs, dataset: DatasetConfig, rel: str, statuses: dict) -> bool:
-    """All assets materialised for `rel`, every check passed, and every output file present."""
+def finished_shards(instance, dataset: DatasetConfig, rels: list[str], statuses: dict) -> set[str]:
+    """The shards of `rels` whose assets are all materialised, checks all passed and output files all there.
+
+    One query per asset and one listing per output, whatever the number of shards.
+    """
     keys = DatasetKeys(dataset.name)
-    asset_keys = [*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox]
-    if any(rel not in instance.get_materialized_partitions(k) for k in asset_keys):
-        return False
-    mine = [status for (_, shard), status in statuses.items() if shard == rel]
-    if not mine or any(status != "SUCCEEDED" for status in mine):
-        return False
-    outputs = [dataset.output("resized_512"), dataset.output("resized_1024"), dataset.output("crop_bbox")]
-    return all(location.exists(rel) for location in outputs)
+    done = set(rels)
+    for key in (*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox):
+        done &= instance.get_materialized_partitions(key)
+    passed: dict[str, bool] = {}
+    for (_, shard), status in statuses.items():
+        passed[shard] = passed.get(shard, True) and status == "SUCCEEDED"
+    done = {rel for rel in done if passed.get(rel, False)}
+    for name in (*(f"resized_{r}" for r in RESOLUTIONS), "crop_bbox"):
+        if not done:
+            break
+        done &= set(dataset.output(name).list_shards())
+    return done
 
 
 def run_demo(
@@ -199,9 +206,9 @@ def run_demo(
         say(f"{len(rels)} shards are partitions of {keys.partitions} ({len(new)} new); Dagster home {home}")
         summary = DemoSummary(workdir, home, config_file, dataset, created, new)
         job = defs.resolve_job_def(keys.shard_job)
-        statuses = _check_status(instance, defs, dataset, rels)
+        finished = finished_shards(instance, dataset, rels, _check_status(instance, defs, dataset, rels))
         for index, rel in enumerate(rels, 1):
-            if shard_is_done(instance, defs, dataset, rel, statuses):
+            if rel in finished:
                 summary.shards.append(ShardOutcome(rel, "up to date"))
                 say(f"[{index}/{len(rels)}] {rel}: up to date (materialised, checks passed), skipped")
                 continue

@@ -1,12 +1,15 @@
 """`sidecar-ops demo`: the whole graph through Dagster on a local sample; a second run does no work."""
 
 import os
+from collections import Counter
 
 import dagster as dg
 
 from fixed_res_sidecar import demo
 from fixed_res_sidecar.cli import main as cli_main
+from fixed_res_sidecar.defs.config import parse_config
 from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.demo import demo_config
 
 
 def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch, capsys):
@@ -48,3 +51,30 @@ def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch,
     monkeypatch.setenv("DAGSTER_HOME", str(first.dagster_home))
     with dg.DagsterInstance.get() as instance:
         assert len(instance.get_run_records()) == runs_before + 1
+
+
+class CountingInstance:
+    """Stands in for a DagsterInstance: every shard materialised, calls counted per asset."""
+
+    def __init__(self, rels):
+        self.rels, self.calls = set(rels), Counter()
+
+    def get_materialized_partitions(self, key):
+        self.calls[key] += 1
+        return set(self.rels)
+
+
+def test_finished_shards_asks_once_per_asset_whatever_the_shard_count(tmp_path):
+    config = parse_config({"datasets": [demo_config()["datasets"][0]]}, base_dir=tmp_path)
+    dataset = config.datasets[0]
+    rels = [f"p/part-{i:05d}.parquet" for i in range(300)]
+    for name in ("resized_512", "resized_1024", "crop_bbox"):
+        for rel in rels[:-1]:  # the last shard lacks its files
+            dataset.output(name).write_bytes(rel, b"x")
+    statuses = {(check, rel): "SUCCEEDED" for rel in rels for check in ("a:c1", "b:c2")}
+    statuses[("b:c2", rels[0])] = "FAILED"
+    instance = CountingInstance(rels[:-2] + rels[-1:])  # rels[-2] is not materialised
+
+    done = demo.finished_shards(instance, dataset, rels, statuses)
+    assert done == set(rels[1:-2])
+    assert len(instance.calls) == 5 and set(instance.calls.values()) == {1}

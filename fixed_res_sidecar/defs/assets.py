@@ -13,7 +13,9 @@
 - `crop_bbox`: `jobs.crop_bbox.build_crop_bbox_shard`, then `verify_crop_bbox_shard`, whose
   overlay pictures are written under the reports prefix and shown in the materialization.
   Gated: in the same run, a failed blocking check upstream skips it; across runs, its
-  automation condition waits until both verifiers' blocking checks passed for the shard.
+  automation condition waits until both verifiers' blocking checks passed for the shard; and
+  a run of it alone (from the UI) is refused unless both verifiers materialised the shard after
+  its resized shards last did and all their checks passed on that verification (`gate_problems`).
 
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
 """
@@ -206,20 +208,58 @@ def _thumbnail_png(data: bytes) -> str:
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 
+def _latest_materialization(instance: dg.DagsterInstance, key: dg.AssetKey, rel: str) -> dg.EventLogRecord | None:
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[rel]), limit=1)
+    return records.records[0] if records.records else None
+
+
 def gate_problems(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str) -> list[str]:
-    """Why shard `rel` must not get its crop_bbox yet: every verifier check must have passed."""
+    """Why shard `rel` must not get its crop_bbox yet; empty when both verifiers passed on the current build.
+
+    Per resolution: the verifier materialised this shard after the latest materialization of the
+    resized shard it verifies (a resized shard rebuilt since is unverified), and each of its
+    checks last passed on that verifier materialization (not on an older one).
+    """
     check_keys = [dg.AssetCheckKey(keys.verify(r), name) for r in RESOLUTIONS for name in verify.RESIZED_CHECKS]
     infos = {
         info.check_key: info
         for info in instance.event_log_storage.get_asset_check_partition_info(check_keys, partition_keys=[rel])
     }
     problems = []
-    for key in check_keys:
-        info = infos.get(key)
-        status = info.latest_execution_status.value.lower() if info is not None else "never run"
-        if status != "succeeded":
-            problems.append(f"{key.to_user_string()} {status}")
+    for resolution in RESOLUTIONS:
+        resized_key, verify_key = keys.resized(resolution), keys.verify(resolution)
+        resized = _latest_materialization(instance, resized_key, rel)
+        verified = _latest_materialization(instance, verify_key, rel)
+        if resized is None:
+            problems.append(f"{resized_key.to_user_string()} was never materialised for this shard")
+        if verified is None:
+            problems.append(f"{verify_key.to_user_string()} was never materialised for this shard")
+        elif resized is not None and resized.storage_id > verified.storage_id:
+            problems.append(
+                f"{resized_key.to_user_string()} was materialised again (run {resized.run_id[:8]}) after "
+                f"{verify_key.to_user_string()} last verified it (run {verified.run_id[:8]}): the passed checks "
+                "describe an older build"
+            )
+        for name in verify.RESIZED_CHECKS:
+            key = dg.AssetCheckKey(verify_key, name)
+            info = infos.get(key)
+            status = info.latest_execution_status.value.lower() if info is not None else "never run"
+            if status != "succeeded":
+                problems.append(f"{key.to_user_string()} {status}")
+            elif verified is not None and not _evaluates(info, verified.storage_id):
+                problems.append(
+                    f"{key.to_user_string()} passed on an older materialization of {verify_key.to_user_string()}, "
+                    "not on its latest"
+                )
     return problems
+
+
+def _evaluates(info, materialization_storage_id: int) -> bool:
+    """Whether the check's latest evaluation belongs to that materialization (or a later one)."""
+    target = info.latest_target_materialization_storage_id
+    if target is not None:
+        return target >= materialization_storage_id
+    return info.latest_check_event_storage_id > materialization_storage_id
 
 
 def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -251,8 +291,9 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
         if problems:
             raise dg.Failure(
                 description=(
-                    f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed for this "
-                    f"shard: {'; '.join(problems)}. Fix the resized shard, re-run verify_512/verify_1024, then crop_bbox."
+                    f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the "
+                    f"current resized shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run "
+                    "verify_512/verify_1024 for it, then crop_bbox."
                 ),
                 allow_retries=False,
             )

@@ -22,7 +22,7 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.partitions import partition_key_problem
 from fixed_res_sidecar.jobs import verify
 
@@ -49,7 +49,9 @@ CROP_CHECK_DESCRIPTIONS = {
 }
 CROP_CHECKS = (*verify.CROP_BBOX_CHECKS, verify.OVERLAYS_WRITTEN)
 DATASET_CHECK_NAME = "dataset_summary"
-LISTED_MISSING = 50  # shard names listed per output in the dataset check's metadata
+LISTED_MISSING = 50  # at most this many shard names per list in the dataset check's metadata
+# Check metadata name -> dataset output, for the dataset check.
+DATASET_CHECK_OUTPUTS = {**{r: f"resized_{r}" for r in RESOLUTIONS}, "crop_bbox": "crop_bbox"}
 
 
 def partitioned_check_spec(
@@ -148,34 +150,66 @@ def check_results(report: verify.ShardReport, asset_key: dg.AssetKey, expected: 
 # -- the dataset check -----------------------------------------------------------------------
 
 
+def list_dataset(dataset: DatasetConfig) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """One listing of each prefix: (main rel -> bytes, output name -> (rel -> bytes)).
+
+    The same listings as `verify.dataset_summary` (what `aws s3 ls --recursive` shows); the main
+    listing is also needed to find the shards that cannot be partition keys, so it is taken
+    here once rather than once per use (at 100,000 shards a listing is about 100 LIST calls).
+    """
+    main_sizes = dataset.main.shard_sizes()
+    outputs = {name: dataset.output(output).shard_sizes() for name, output in DATASET_CHECK_OUTPUTS.items()}
+    return main_sizes, outputs
+
+
+def first(items: Sequence[str], limit: int = LISTED_MISSING) -> list[str]:
+    return list(items[:limit])
+
+
 def summarize_dataset(dataset: DatasetConfig) -> tuple[bool, dict[str, Any], str]:
-    """(passed, metadata, description) of the dataset check, from `verify.dataset_summary`."""
-    outputs = {
-        "512": dataset.output("resized_512"),
-        "1024": dataset.output("resized_1024"),
-        "crop_bbox": dataset.output("crop_bbox"),
-    }
-    summary = verify.dataset_summary(dataset.main, outputs)
-    main_shards = summary["main"]["shards"]
+    """(passed, metadata, description) of the dataset check.
+
+    The metadata holds counts, bytes and at most LISTED_MISSING shard names per list (the
+    check runs hourly per dataset: full lists of 100,000 shards would be megabytes of event
+    log each time). `sidecar-ops verify-crop-bbox --report FILE` writes the full lists.
+    """
+    main_sizes, outputs = list_dataset(dataset)
+    main_shards = len(main_sizes)
     metadata: dict[str, Any] = {
         "main_shards": main_shards,
-        "main_bytes": summary["main"]["total_bytes"],
+        "main_bytes": sum(main_sizes.values()),
+    }
+    summary: dict[str, Any] = {
+        "main": {"location": dataset.main.uri, "shards": main_shards, "total_bytes": metadata["main_bytes"]},
+        "outputs": {},
+        "listed_at_most": LISTED_MISSING,
     }
     problems = []
-    for name, part in summary["outputs"].items():
+    for name, sizes in outputs.items():
+        missing = [rel for rel in main_sizes if rel not in sizes]  # sorted: listings are sorted
+        extra = [rel for rel in sizes if rel not in main_sizes]
+        part = {
+            "location": dataset.output(DATASET_CHECK_OUTPUTS[name]).uri,
+            "shards": len(sizes),
+            "total_bytes": sum(sizes.values()),
+            "missing": len(missing),
+            "extra": len(extra),
+        }
+        summary["outputs"][name] = part
         metadata[f"{name}_shards"] = part["shards"]
         metadata[f"{name}_bytes"] = part["total_bytes"]
-        metadata[f"{name}_missing"] = len(part["missing"])
-        metadata[f"{name}_extra"] = len(part["extra"])
-        if part["missing"]:
-            metadata[f"{name}_missing_shards"] = part["missing"][:LISTED_MISSING]
-            problems.append(f"{name}: {len(part['missing'])} of {main_shards} shards missing")
-        if part["extra"]:
-            metadata[f"{name}_extra_shards"] = part["extra"][:LISTED_MISSING]
-            problems.append(f"{name}: {len(part['extra'])} shards with no main shard")
-    unusable = sorted(rel for rel in dataset.main.shard_sizes() if partition_key_problem(rel))
+        metadata[f"{name}_missing"] = len(missing)
+        metadata[f"{name}_extra"] = len(extra)
+        if missing:
+            metadata[f"{name}_missing_shards"] = first(missing)
+            problems.append(f"{name}: {len(missing)} of {main_shards} shards missing")
+        if extra:
+            metadata[f"{name}_extra_shards"] = first(extra)
+            problems.append(f"{name}: {len(extra)} shards with no main shard")
+    unusable = [rel for rel in main_sizes if partition_key_problem(rel)]
     if unusable:
-        metadata["unpartitionable_shards"] = unusable[:LISTED_MISSING]
+        metadata["unpartitionable"] = len(unusable)
+        metadata["unpartitionable_shards"] = first(unusable)
         problems.append(f"{len(unusable)} main shards cannot be partition keys (see the discovery sensor's log)")
     metadata["summary"] = summary
     passed = main_shards > 0 and not problems

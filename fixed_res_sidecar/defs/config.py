@@ -24,6 +24,11 @@ Shape (every field but `name` and `main_prefix` has a default; see datasets.yaml
         key_column: image_key
         ...
 
+Defaults come from the code that uses them, not from literals here: the pixel settings
+(patch_size, square, output_format, quality, webp_method, background, limits) from
+`core.pixels.PixelOptions`, the audit prefixes and resized dataset folders from
+`core.resolutions.RESOLUTIONS`. A dataset that does not set one follows the code's default.
+
 Relative local paths are taken relative to the folder holding the datasets file.
 """
 
@@ -47,8 +52,8 @@ from pydantic import (
 )
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
-from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixels import OUTPUT_FORMATS, PixelOptions
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import (
     Location,
     LocationError,
@@ -65,11 +70,13 @@ DEFAULT_DATASETS_FILE = REPO_ROOT / "datasets.yaml"
 NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
 OUTPUT_NAMES = ("resized_512", "resized_1024", "crop_bbox", "reports")
 DEFAULT_OUTPUT_FOLDERS = {
-    "resized_512": "0_262mp_version_all_in_one",
-    "resized_1024": "1_05mp_version_all_in_one",
+    "resized_512": RESOLUTIONS["512"].dataset_folder,
+    "resized_1024": RESOLUTIONS["1024"].dataset_folder,
     "crop_bbox": "crop_bbox_sidecar",
     "reports": "verifier_reports",
 }
+# Every pixel setting defaults to the pipeline's own default (core.pixels.PixelOptions), so a
+# change of default there (e.g. the WebP method) reaches every dataset that does not set it.
 _PIXEL_DEFAULTS = PixelOptions()
 
 
@@ -158,14 +165,14 @@ class DatasetConfig(_Strict):
     bbox_keys: tuple[str, ...] = DEFAULT_BBOX_KEYS
     output_root: str | None = None
     outputs: OutputsConfig = OutputsConfig()
-    audit_prefix_512: str = "0_26mp_process"
-    audit_prefix_1024: str = "1_05mp_process"
+    audit_prefix_512: str = RESOLUTIONS["512"].audit_prefix
+    audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix
     patch_size: int = Field(_PIXEL_DEFAULTS.patch_size, gt=0, le=4096)
-    square: bool = False
-    output_format: Literal["webp", "jpeg", "png"] = "webp"
+    square: bool = _PIXEL_DEFAULTS.square
+    output_format: str = _PIXEL_DEFAULTS.output_format  # one of core.pixels.OUTPUT_FORMATS
     quality: int = Field(_PIXEL_DEFAULTS.quality, ge=0, le=100)
     webp_method: int = Field(_PIXEL_DEFAULTS.webp_method, ge=0, le=6)
-    background: tuple[int, int, int] | None = None  # composite transparency on this colour
+    background: tuple[int, int, int] | None = _PIXEL_DEFAULTS.background  # composite transparency on this colour
     limits: LimitsConfig = LimitsConfig()
     threads_per_shard: int = Field(1, ge=1, le=256)
     run_resources: RunResources = RunResources()
@@ -234,6 +241,13 @@ class DatasetConfig(_Strict):
             raise ValueError(f"must be one of {CAPTION_FRAMES}")
         return value
 
+    @field_validator("output_format")
+    @classmethod
+    def _output_format(cls, value: str) -> str:
+        if value not in OUTPUT_FORMATS:
+            raise ValueError(f"must be one of {sorted(OUTPUT_FORMATS)}, got {value!r}")
+        return value
+
     # -- what the Dagster layer uses --------------------------------------------------------
 
     @cached_property
@@ -250,14 +264,16 @@ class DatasetConfig(_Strict):
 
     @property
     def resized_512(self) -> ResizedOutput:
-        return ResizedOutput(self.output("resized_512"), AREA_512, self.audit_prefix_512)
+        return self.resized("512")
 
     @property
     def resized_1024(self) -> ResizedOutput:
-        return ResizedOutput(self.output("resized_1024"), AREA_1024, self.audit_prefix_1024)
+        return self.resized("1024")
 
     def resized(self, resolution: str) -> ResizedOutput:
-        return {"512": self.resized_512, "1024": self.resized_1024}[resolution]
+        """The resized output of resolution "512" or "1024": location, target area, audit prefix."""
+        area = RESOLUTIONS[resolution].area
+        return ResizedOutput(self.output(f"resized_{resolution}"), area, getattr(self, f"audit_prefix_{resolution}"))
 
     def report_location(self, what: str) -> Location:
         """Reports of one kind (`resized_512`, `resized_1024`, `crop_bbox`, `overlays`) under `reports`."""

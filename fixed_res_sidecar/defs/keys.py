@@ -10,10 +10,14 @@ from functools import cached_property
 
 import dagster as dg
 
+from fixed_res_sidecar.core import resolutions
+
 # Run tag that names the dataset: dagster.yaml limits concurrent runs per unique value.
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG  # noqa: F401 (re-exported)
 
-RESOLUTIONS = ("512", "1024")
+# The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
+# one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).
+RESOLUTIONS: tuple[str, ...] = tuple(resolutions.RESOLUTIONS)
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,10 @@ class DatasetKeys:
         return self.asset("main")
 
     def resized(self, resolution: str) -> dg.AssetKey:
-        return self.asset(f"resized_{resolution}")
+        return self.asset(f"resized_{_known(resolution)}")
 
     def verify(self, resolution: str) -> dg.AssetKey:
-        return self.asset(f"verify_{resolution}")
+        return self.asset(f"verify_{_known(resolution)}")
 
     @cached_property
     def crop_bbox(self) -> dg.AssetKey:
@@ -70,3 +74,9 @@ class DatasetKeys:
     @property
     def dataset_check(self) -> dg.AssetCheckKey:
         return dg.AssetCheckKey(self.main, "dataset_summary")
+
+
+def _known(resolution: str) -> str:
+    if resolution not in RESOLUTIONS:
+        raise ValueError(f"unknown resolution {resolution!r}; the resolutions are {list(RESOLUTIONS)}")
+    return resolution

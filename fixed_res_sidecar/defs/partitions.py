@@ -47,14 +47,6 @@ def partition_key_problem(rel: str) -> str | None:
     return None
 
 
-def check_partition_key(rel: str) -> str:
-    """`rel` when it can be a partition key; raises ValueError with the reason otherwise."""
-    problem = partition_key_problem(rel)
-    if problem:
-        raise ValueError(problem)
-    return rel
-
-
 def chunks(items: Sequence[str], size: int = ADD_CHUNK) -> Iterator[list[str]]:
     for start in range(0, len(items), size):
         yield list(items[start : start + size])

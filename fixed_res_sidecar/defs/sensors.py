@@ -15,7 +15,7 @@ checks passed for that shard, also when they pass in a later run.
 """
 
 import json
-from collections.abc import Container, Iterator
+from collections.abc import Container
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -232,9 +232,3 @@ def apply_tick(instance: dg.DagsterInstance, result: dg.SensorResult) -> list[st
             instance.add_dynamic_partitions(request.partitions_def_name, new)
             added.extend(new)
     return added
-
-
-def iter_run_partitions(result: dg.SensorResult) -> Iterator[str]:
-    for request in result.run_requests or []:
-        if request.partition_key is not None:
-            yield request.partition_key

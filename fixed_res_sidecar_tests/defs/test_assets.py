@@ -185,6 +185,35 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert not dataset.output("crop_bbox").exists(bad)
 
 
+def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
+    dataset = tiny_config.datasets[0]
+    rel = "part-a.parquet"
+    register(instance, tiny_config)
+    assert run_shard(tiny_defs, instance, "tiny__shard", rel).success  # built, verified, cropped
+    crop = dataset.output("crop_bbox")
+    crop_mtime = Path(crop.child(rel)).stat().st_mtime_ns
+
+    # resized_512 is materialised again, without its verifier: the verifier's checks still read
+    # "succeeded", but they are about the previous build.
+    assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.resized("512")]).success
+    statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel])
+    assert set(statuses.values()) == {"SUCCEEDED"}
+
+    alone = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    assert not alone.success and KEYS.crop_bbox not in materialized(alone)
+    failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE")
+    message = failure.event_specific_data.error.to_string()
+    assert "gated on the verifiers" in message
+    assert "tiny/resized_512 was materialised again" in message and "after tiny/verify_512 last verified it" in message
+    assert "tiny/resized_1024" not in message  # 1024 is still verified
+    assert Path(crop.child(rel)).stat().st_mtime_ns == crop_mtime  # the sidecar was not touched
+
+    # Once the verifier ran on the current build, crop_bbox alone goes through.
+    assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")]).success
+    again = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    assert again.success and materialized(again) == {KEYS.crop_bbox}
+
+
 @pytest.mark.parametrize("overlay_sample", [0])
 def test_without_overlays_the_overlay_check_is_not_declared(tiny_main, tmp_path, overlay_sample):
     config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", overlay_sample=overlay_sample))

@@ -1,16 +1,22 @@
 """Verifier reports as Dagster check results, and the dataset-level check."""
 
+import json
+from collections import Counter
+
 import dagster as dg
 
 from fixed_res_sidecar.defs.checks import (
     DATASET_CHECK_NAME,
+    LISTED_MISSING,
     check_results,
     examples_markdown,
     metadata_value,
     summarize_dataset,
+    to_metadata,
 )
 from fixed_res_sidecar.defs.definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.jobs import verify
 from fixed_res_sidecar.jobs.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.defs.conftest import QUIET, dataset_entry, make_config
@@ -123,3 +129,44 @@ def test_empty_main_fails_the_dataset_check(tmp_path):
     dataset = make_config(dataset_entry("empty", tmp_path / "main", tmp_path / "out")).datasets[0]
     passed, metadata, description = summarize_dataset(dataset)
     assert not passed and metadata["main_shards"] == 0 and description.startswith("no shards under")
+
+
+def test_dataset_check_metadata_stays_small_and_lists_main_once(tmp_path, monkeypatch):
+    """At 100,000 shards the hourly check must not store 100,000 names: counts plus the first few."""
+    main = Location.parse(tmp_path / "main")
+    rels = [f"d{i // 100:02d}/part-{i:05d}.parquet" for i in range(LISTED_MISSING * 3)]
+    for rel in rels:
+        main.write_bytes(rel, b"x")
+    dataset = make_config(dataset_entry("big", main, tmp_path / "out")).datasets[0]
+    built = dataset.output("resized_512")
+    for rel in rels[:10]:
+        built.write_bytes(rel, b"yy")
+    built.write_bytes("orphan.parquet", b"z")
+
+    listed = Counter()
+    real = Location.shard_sizes
+
+    def counting(self, *args, **kwargs):
+        listed[self.uri] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Location, "shard_sizes", counting)
+    passed, metadata, description = summarize_dataset(dataset)
+    assert listed[main.uri] == 1 and set(listed.values()) == {1} and len(listed) == 4
+
+    assert not passed and f"512: {len(rels) - 10} of {len(rels)} shards missing" in description
+    assert (metadata["512_missing"], metadata["512_extra"], metadata["crop_bbox_missing"]) == (len(rels) - 10, 1, len(rels))
+    assert metadata["512_missing_shards"] == rels[10 : 10 + LISTED_MISSING]
+    assert metadata["crop_bbox_missing_shards"] == rels[:LISTED_MISSING]
+    assert metadata["512_extra_shards"] == ["orphan.parquet"]
+    assert (metadata["main_shards"], metadata["main_bytes"], metadata["512_bytes"]) == (len(rels), len(rels), 21)
+    assert metadata["summary"]["outputs"]["1024"] == {
+        "location": dataset.output("resized_1024").uri,
+        "shards": 0,
+        "total_bytes": 0,
+        "missing": len(rels),
+        "extra": 0,
+    }
+    # No list in the stored metadata is longer than LISTED_MISSING; the last shards are named nowhere.
+    stored = json.dumps({k: v.value for k, v in to_metadata(metadata).items()})
+    assert rels[-1] not in stored

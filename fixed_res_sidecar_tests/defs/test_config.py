@@ -1,11 +1,18 @@
 """The datasets file: defaults, relative paths, and bad configuration refused with dataset and field named."""
 
+import dataclasses
+import importlib.util
 from pathlib import Path
 
+import dagster as dg
 import pytest
 import yaml
 
+from fixed_res_sidecar.core import pixels
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
+from fixed_res_sidecar.defs import config as config_module
 from fixed_res_sidecar.defs.config import (
     DATASETS_ENV,
     DEFAULT_DATASETS_FILE,
@@ -14,6 +21,8 @@ from fixed_res_sidecar.defs.config import (
     load_config,
     parse_config,
 )
+from fixed_res_sidecar.defs.keys import RESOLUTIONS as KEY_RESOLUTIONS
+from fixed_res_sidecar.defs.keys import DatasetKeys
 
 
 def entry(**fields) -> dict:
@@ -200,3 +209,52 @@ def test_relative_local_paths_resolve_against_the_file_not_the_cwd(tmp_path, mon
     dataset = load_config(folder / "d.yaml").datasets[0]
     assert dataset.main.uri == str(tmp_path / "data" / "main")
     assert dataset.output("crop_bbox").uri == str(folder / "out" / "crop_bbox_sidecar" / "laion")
+
+
+PIXEL_FIELDS = {f.name for f in dataclasses.fields(PixelOptions)} - {"draft"}
+LIMIT_FIELDS = {"max_source_pixels", "max_aspect_ratio", "min_source_side"}
+
+
+def test_unset_pixel_settings_are_the_pipelines_defaults():
+    laion = parse_config({"datasets": [entry()]}).datasets[0]
+    assert laion.pixel_options() == PixelOptions()
+
+
+def test_pixel_defaults_follow_core_pixels_when_it_changes(monkeypatch):
+    """The config has no pixel defaults of its own: a new PixelOptions default (say the WebP method) reaches it."""
+
+    @dataclasses.dataclass(frozen=True)
+    class NewDefaults(PixelOptions):
+        webp_method: int = 6
+        quality: int = 90
+        patch_size: int = 16
+        max_aspect_ratio: float = 4.0
+
+    monkeypatch.setattr(pixels, "PixelOptions", NewDefaults)
+    spec = importlib.util.spec_from_file_location("config_with_new_defaults", config_module.__file__)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    options = fresh.parse_config({"datasets": [entry()]}).datasets[0].pixel_options()
+    assert options == NewDefaults()
+    assert (options.webp_method, options.quality, options.patch_size, options.max_aspect_ratio) == (6, 90, 16, 4.0)
+
+
+def test_repo_datasets_file_pins_no_pixel_default():
+    raw = yaml.safe_load(DEFAULT_DATASETS_FILE.read_text())
+    for dataset in raw["datasets"]:
+        assert not (PIXEL_FIELDS - LIMIT_FIELDS) & set(dataset), "pixel settings in datasets.yaml pin a default"
+        assert not LIMIT_FIELDS & set(dataset.get("limits") or {})
+    text = DEFAULT_DATASETS_FILE.read_text()
+    assert f"# webp_method: {PixelOptions().webp_method} " in text and "default" in text.split("# webp_method:")[1].split("\n")[0]
+
+
+def test_audit_prefixes_areas_and_folders_come_from_core_resolutions():
+    laion = parse_config({"datasets": [entry()]}).datasets[0]
+    for name, resolution in RESOLUTIONS.items():
+        output = laion.resized(name)
+        assert (output.area, output.audit_prefix) == (resolution.area, resolution.audit_prefix)
+        assert output.location.uri == f"/data/laion/out/{resolution.dataset_folder}/laion"
+    assert DatasetKeys("laion").resized("1024") == dg.AssetKey(["laion", "resized_1024"])
+    assert KEY_RESOLUTIONS == tuple(RESOLUTIONS)
+    with pytest.raises(ValueError, match="unknown resolution '2048'"):
+        DatasetKeys("laion").verify("2048")
