@@ -1,13 +1,25 @@
-"""`sidecar-ops build-crop-bbox`: the crop-bbox sidecar of every shard of a main dataset (SPEC 6)."""
+"""`sidecar-ops build-crop-bbox`: the crop-bbox sidecar of every shard of a main dataset (SPEC 6).
+
+SPEC 7 gate: a shard's sidecar is built only after both of its resized shards pass the
+verifier (`verify_resized_shard`, with `--verify-sample` images decoded per resolution);
+otherwise that shard fails, naming the failed checks, and the others go on.
+"""
 
 import argparse
 import functools
 import sys
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.jobs.crop_bbox import RESOLUTIONS, CropBboxResult, build_crop_bbox_shard, check_output_locations
+from fixed_res_sidecar.jobs.crop_bbox import (
+    CropBboxGateError,
+    CropBboxResult,
+    build_crop_bbox_shard,
+    check_output_locations,
+)
 from fixed_res_sidecar.jobs.runner import Progress, RunSummary, run_shards
+from fixed_res_sidecar.jobs.verify import resized_gate_problems
 
 
 def add_parser(subparsers) -> None:
@@ -17,7 +29,8 @@ def add_parser(subparsers) -> None:
         description=(
             "Read the captions of the main dataset (or of --caption-prefix) and the audit columns of both "
             "resized datasets, and write structured_description_crop_512, structured_description_crop_1024 "
-            "and bbox_resize_meta per shard. Images are never decoded."
+            "and bbox_resize_meta per shard. A shard is built only when both its resized shards pass the "
+            "verifier (rows, keys, audit, and --verify-sample decoded images each)."
         ),
     )
     parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
@@ -29,8 +42,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--caption-prefix", default=None, help="a caption dataset with the main's layout and keys (default: the main)"
     )
-    parser.add_argument("--audit-prefix-512", default="0_26mp_process")
-    parser.add_argument("--audit-prefix-1024", default="1_05mp_process")
+    parser.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"].audit_prefix)
+    parser.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"].audit_prefix)
     parser.add_argument(
         "--bbox-key",
         dest="bbox_keys",
@@ -50,6 +63,17 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
     parser.add_argument("--threads", type=int, default=4, help="shards processed at once")
+    gate = parser.add_argument_group("verifier gate", "how the resized shards are checked before a shard is built")
+    gate.add_argument(
+        "--verify-sample",
+        type=int,
+        default=32,
+        metavar="N",
+        help="images decoded per resized shard (default: 32; 0: rows, keys and audit only)",
+    )
+    gate.add_argument("--image-column", default="image", help="the resized datasets' image column")
+    gate.add_argument("--patch-size", type=int, default=32, help="the patch size the resized datasets were built with")
+    gate.add_argument("--square", action="store_true", help="the resized datasets were built with --square")
     parser.set_defaults(func=run)
 
 
@@ -59,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.threads < 1:
             raise ValueError("--threads must be at least 1")
+        if args.verify_sample < 0:
+            raise ValueError("--verify-sample must be at least 0")
+        if args.patch_size < 1:
+            raise ValueError("--patch-size must be at least 1")
         main = Location.parse(args.main_prefix)
         resized_512 = Location.parse(args.resized_512_prefix)
         resized_1024 = Location.parse(args.resized_1024_prefix)
@@ -73,6 +101,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"sidecar-ops: error: no *.parquet shards under {main.uri}", file=sys.stderr)
         return 2
 
+    gate = functools.partial(
+        verifier_gate,
+        main,
+        resized={"512": (resized_512, args.audit_prefix_512), "1024": (resized_1024, args.audit_prefix_1024)},
+        key_column=args.key_column,
+        image_column=args.image_column,
+        patch_size=args.patch_size,
+        sample=args.verify_sample,
+        square=args.square,
+    )
     job = functools.partial(
         build_crop_bbox_shard,
         main,
@@ -87,11 +125,19 @@ def run(args: argparse.Namespace) -> int:
         bbox_keys=tuple(args.bbox_keys or DEFAULT_BBOX_KEYS),
         caption_frame=args.caption_frame,
         skip_existing=args.skip_existing,
+        gate=gate,
     )
     print(f"{len(shards)} shards under {main.uri} -> {output.uri}", file=sys.stderr)
     summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
     return 0 if summary.ok else 1
+
+
+def verifier_gate(main: Location, rel: str, **options) -> None:
+    """Raise CropBboxGateError unless both resized shards of `rel` pass the verifier (SPEC 7 gate)."""
+    problems = resized_gate_problems(main, rel, **options)
+    if problems:
+        raise CropBboxGateError("; ".join(problems) + "; its crop-bbox sidecar is not built")
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fixed_res_sidecar.core.bbox import CAPTION_FRAMES
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
 from fixed_res_sidecar.jobs.verify import (
     ShardReport,
@@ -34,11 +36,12 @@ def add_parser(subparsers) -> None:
     resized.add_argument("--main-prefix", required=True, help="the main dataset: a folder or s3:// URI")
     resized.add_argument("--output-prefix", required=True, help="the resized dataset to check")
     resized.add_argument("--key-column", required=True)
-    resized.add_argument("--audit-prefix", required=True, help="e.g. 0_26mp_process or 1_05mp_process")
+    prefixes = " or ".join(r.audit_prefix for r in RESOLUTIONS.values())
+    areas = ", ".join(f"{r.audit_prefix}: {r.area}" for r in RESOLUTIONS.values())
+    resized.add_argument("--audit-prefix", required=True, help=f"e.g. {prefixes}")
     resized.add_argument("--image-column", default="image")
     resized.add_argument(
-        "--target-area", type=int, default=None,
-        help="pixel area; defaults from the audit prefix (0_26mp_process: 262144, 1_05mp_process: 1048576)",
+        "--target-area", type=int, default=None, help=f"pixel area; defaults from the audit prefix ({areas})"
     )
     resized.add_argument("--patch-size", type=int, default=32)
     resized.add_argument("--square", action="store_true", help="the dataset was built with --square")
@@ -59,9 +62,17 @@ def add_parser(subparsers) -> None:
     crop.add_argument("--image-column", default="image")
     crop.add_argument("--caption-column", default="structured_description")
     crop.add_argument("--caption-prefix", default=None, help="caption dataset, when captions are not in main")
-    crop.add_argument("--caption-frame", choices=["oriented", "raw"], default="oriented")
-    crop.add_argument("--audit-prefix-512", default="0_26mp_process")
-    crop.add_argument("--audit-prefix-1024", default="1_05mp_process")
+    crop.add_argument(
+        "--caption-frame", choices=CAPTION_FRAMES, default=None,
+        help="frame of the caption boxes (default: as recorded in the sidecar's build settings)",
+    )
+    crop.add_argument(
+        "--bbox-key", dest="bbox_keys", action="append", default=None, metavar="KEY",
+        help="a JSON key whose value is a box or a list of boxes; repeat for several "
+        "(default: as recorded in the sidecar's build settings)",
+    )
+    crop.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"].audit_prefix)
+    crop.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"].audit_prefix)
     crop.add_argument("--overlay-dir", default=None, help="write overlay PNGs of sampled rows here")
     crop.add_argument("--overlay-sample", type=int, default=4, help="overlay pictures per shard")
     _add_common(crop)
@@ -133,6 +144,7 @@ def run_verify_crop_bbox(args) -> int:
             image_column=args.image_column,
             caption_column=args.caption_column,
             caption_location=captions,
+            bbox_keys=args.bbox_keys,
             caption_frame=args.caption_frame,
             overlay_dir=overlay_dir,
             overlay_sample=args.overlay_sample,
@@ -163,10 +175,11 @@ def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:
     if not shards:
         raise ValueError(f"no *.parquet shards under {main.uri}")
     if selected:
-        unknown = sorted(set(selected) - set(shards))
+        wanted = set(selected)
+        unknown = sorted(wanted.difference(shards))
         if unknown:
             raise ValueError(f"not shards of {main.uri}: {unknown}")
-        shards = [rel for rel in shards if rel in set(selected)]
+        shards = [rel for rel in shards if rel in wanted]
     return shards
 
 

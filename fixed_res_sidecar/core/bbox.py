@@ -9,12 +9,16 @@ Rules, exactly:
   too large for a double, which Python's json module would otherwise accept or produce, and
   nesting too deep to walk (about a thousand levels).
   Either way both crop columns are null and the meta says why.
-* What is a box. The JSON is walked recursively; only values under a key in `bbox_keys`
-  are touched, and everything else is copied unchanged in key order. Under such a key:
-  `null` stays `null` and `[]` stays `[]` (no box, not counted); a list holding at least one
-  list is a list of boxes, each element handled on its own (`null` elements stay `null`);
-  any other value is one box. Nothing under a box key is copied unchanged, because a value
-  left in the source frame would silently be wrong in the crop frame.
+* What is a box. The JSON is walked recursively (`map_box_slots`, the one walker every
+  reader of captions uses); only values under a key in `bbox_keys` are touched, and
+  everything else is copied unchanged in key order. Under such a key: `[]` stays `[]` (no
+  box); a list holding at least one list is a list of boxes, each element a box slot of its
+  own; any other value is one box slot. A slot holding `null` stays `null` and is not
+  counted. Nothing under a box key is copied unchanged, because a value left in the source
+  frame would silently be wrong in the crop frame.
+  A crop caption keeps the slots of its original, but a list of boxes that all had no area
+  left becomes a list of nulls; walked as a crop caption (`crop_frame=True`), a non-empty
+  list of nulls is therefore a list of boxes too.
 * Malformed (-> null, counted `malformed`): not a list of exactly four numbers (bools are
   not numbers), a value outside 0..1000, or ymin > ymax or xmin > xmax. A dict or string
   under a box key is malformed too.
@@ -50,11 +54,12 @@ doubles), not byte-for-byte. `bbox_resize_meta` is machine data: compact separat
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
+from fixed_res_sidecar.core import orientation as exif
 from fixed_res_sidecar.core.audit import AuditRecord
 
 # Bump when the output of this module changes for the same input: skip-existing compares it.
@@ -187,37 +192,26 @@ def parse_box(value: Any) -> tuple[float, float, float, float] | None:
     return ymin, xmin, ymax, xmax
 
 
-def _raw_point_to_oriented(y: float, x: float, orientation: int) -> tuple[float, float]:
-    """A point on the raw (stored) 0..1000 grid to the displayed grid, as EXIF orientation says.
-
-    These are the transposes Pillow's ImageOps.exif_transpose applies to the stored pixels.
-    """
-    g = GRID
-    if orientation == 2:  # mirrored left-right
-        return y, g - x
-    if orientation == 3:  # rotated 180
-        return g - y, g - x
-    if orientation == 4:  # mirrored top-bottom
-        return g - y, x
-    if orientation == 5:  # transposed (mirrored over the main diagonal)
-        return x, y
-    if orientation == 6:  # stored rotated 90 counter-clockwise; displayed by rotating 90 clockwise
-        return x, g - y
-    if orientation == 7:  # transversed (mirrored over the anti-diagonal)
-        return g - x, g - y
-    if orientation == 8:  # stored rotated 90 clockwise; displayed by rotating 90 counter-clockwise
-        return g - x, y
-    return y, x  # 1, and anything the resize stage could not read, is upright
-
-
 def raw_box_to_oriented(
     box: tuple[float, float, float, float], orientation: int
 ) -> tuple[float, float, float, float]:
-    """A well-formed [ymin, xmin, ymax, xmax] box made on the raw pixels, in the displayed frame."""
+    """A well-formed [ymin, xmin, ymax, xmax] grid box made on the raw pixels, in the displayed frame.
+
+    The mapping is core/orientation.py's (the transposes of ImageOps.exif_transpose) on the
+    0..1000 grid; an orientation outside 1..8 leaves the box as it is.
+    """
     ymin, xmin, ymax, xmax = box
-    ya, xa = _raw_point_to_oriented(ymin, xmin, orientation)
-    yb, xb = _raw_point_to_oriented(ymax, xmax, orientation)
-    return min(ya, yb), min(xa, xb), max(ya, yb), max(xa, xb)
+    x0, y0, x1, y1 = exif.raw_box_to_oriented((xmin, ymin, xmax, ymax), orientation, (GRID, GRID))
+    return y0, x0, y1, x1
+
+
+def is_valid_crop_box(value: Any) -> bool:
+    """A box of a crop caption: four integers in 0..1000, [ymin, xmin, ymax, xmax], min <= max."""
+    if not isinstance(value, list) or len(value) != 4:
+        return False
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return False
+    return parse_box(value) is not None
 
 
 def _round_half_up(value: float) -> int:
@@ -232,7 +226,7 @@ def transform_box(value: Any, frame: CropFrame, orientation: int = 1) -> tuple[l
     box = parse_box(value)
     if box is None:
         return None, BoxOutcome.MALFORMED
-    ymin, xmin, ymax, xmax = raw_box_to_oriented(box, orientation)
+    ymin, xmin, ymax, xmax = box if orientation == exif.UPRIGHT else raw_box_to_oriented(box, orientation)
     unclipped = (frame.to_crop_y(ymin), frame.to_crop_x(xmin), frame.to_crop_y(ymax), frame.to_crop_x(xmax))
     result = [_round_half_up(min(max(v, 0.0), GRID)) for v in unclipped]
     if result[0] >= result[2] or result[1] >= result[3]:
@@ -242,23 +236,130 @@ def transform_box(value: Any, frame: CropFrame, orientation: int = 1) -> tuple[l
     return result, BoxOutcome.CLIPPED
 
 
-# -- a whole caption ------------------------------------------------------------------
+# -- walking a caption's boxes --------------------------------------------------------
 
 
-def _one_box(value: Any, frame: CropFrame, orientation: int, counts: BoxCounts) -> list[int] | None:
-    new_box, outcome = transform_box(value, frame, orientation)
-    counts.add(outcome)
-    return new_box
+class BoxSlot(NamedTuple):
+    """One place in a caption where a box may be (SPEC 6 walk).
+
+    `value` is whatever the caption holds there: a box, null, or anything malformed. A crop
+    caption keeps its original's slots, so slot i of an original and slot i of its crop
+    variant are the same object.
+    """
+
+    index: int  # walk order over the caption, from 0
+    value: Any
+    holder: dict  # the JSON object holding the box key
+    key: str  # the box key
+    item: int | None  # position in a list of boxes; None for a single box
+    holder_parts: Any  # the holder's JSON path, as linked (parent, key-or-index) pairs; None at the root
+
+    @property
+    def holder_path(self) -> str:
+        """JSON path of the holder, e.g. `objects[0]` or `groups.pets` ("" at the root)."""
+        parts = []
+        node = self.holder_parts
+        while node is not None:
+            node, part = node
+            parts.append(part)
+        return _format_path(reversed(parts))
+
+    @property
+    def path(self) -> str:
+        """JSON path of the slot, e.g. `objects[0].bbox` or `groups.pets.bbox_2d[1]`."""
+        holder = self.holder_path
+        path = f"{holder}.{self.key}" if holder else str(self.key)
+        return path if self.item is None else f"{path}[{self.item}]"
 
 
-def _transform_box_value(value: Any, frame: CropFrame, orientation: int, counts: BoxCounts) -> Any:
-    """The value found under a box key: no box (null or []), a list of boxes, or one box."""
-    if value is None or value == []:
+def _format_path(parts: Iterable[str | int]) -> str:
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text = f"{text}.{part}" if text else str(part)
+    return text
+
+
+def is_box_list(value: Any, crop_frame: bool = False) -> bool:
+    """Whether a value under a box key is a list of boxes (rather than one box).
+
+    A list holding at least one list is; in a crop caption a non-empty list of nulls is too
+    (the boxes of such a list that have no area left in the crop are null).
+    """
+    if not isinstance(value, list) or not value:
+        return False
+    if any(isinstance(item, list) for item in value):
+        return True
+    return crop_frame and all(item is None for item in value)
+
+
+def map_box_slots(
+    caption: Any,
+    bbox_keys: Iterable[str],
+    replace: Callable[[Any, dict, str, int | None, Any], Any],
+    *,
+    crop_frame: bool = False,
+) -> Any:
+    """A copy of a parsed caption with the value of every box slot replaced by `replace(...)`.
+
+    The SPEC 6 walk, the one every reader of captions uses: depth first, in key order; under
+    a key in `bbox_keys`, `[]` holds no slot, a list of boxes (`is_box_list`) one slot per
+    element, and any other value (null included) is one slot. Everything else is copied
+    unchanged. `crop_frame` says the caption is a crop variant (see `is_box_list`). The input
+    is not modified. Raises RecursionError for captions nested too deep to walk.
+
+    `replace(value, holder, key, item, holder_parts)` is called once per slot, in walk order,
+    with the fields of `BoxSlot` (no object is made: the transform runs on every row);
+    `box_slots` collects them as BoxSlots.
+    """
+    keys = frozenset(bbox_keys)
+
+    def at_box_key(holder: dict, key: str, value: Any, parts: Any) -> Any:
+        if isinstance(value, list) and not value:
+            return value
+        if is_box_list(value, crop_frame):
+            result = []
+            for i, item in enumerate(value):
+                result.append(replace(item, holder, key, i, parts))
+            return result
+        return replace(value, holder, key, None, parts)
+
+    def walk(node: Any, parts: Any) -> Any:
+        # Plain loops, not comprehensions: one Python frame per JSON level, so deep captions fit.
+        # Scalars are copied without a call (most of a caption's values).
+        if isinstance(node, dict):
+            result = {}
+            for key, child in node.items():
+                if key in keys:
+                    result[key] = at_box_key(node, key, child, parts)
+                elif isinstance(child, (dict, list)):
+                    result[key] = walk(child, (parts, key))
+                else:
+                    result[key] = child
+            return result
+        result = []
+        for i, child in enumerate(node):
+            result.append(walk(child, (parts, i)) if isinstance(child, (dict, list)) else child)
+        return result
+
+    return walk(caption, None) if isinstance(caption, (dict, list)) else caption
+
+
+def box_slots(caption: Any, bbox_keys: Iterable[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False) -> list[BoxSlot]:
+    """Every box slot of a parsed caption, in walk order (see `map_box_slots`)."""
+    slots: list[BoxSlot] = []
+
+    def collect(value: Any, holder: dict, key: str, item: int | None, parts: Any) -> Any:
+        slots.append(BoxSlot(len(slots), value, holder, key, item, parts))
         return value
-    if isinstance(value, list) and any(isinstance(item, list) for item in value):
-        # A list of boxes; a null element stays null, anything else is a box or malformed.
-        return [None if item is None else _one_box(item, frame, orientation, counts) for item in value]
-    return _one_box(value, frame, orientation, counts)
+
+    map_box_slots(caption, bbox_keys, collect, crop_frame=crop_frame)
+    return slots
+
+
+# -- a whole caption ------------------------------------------------------------------
 
 
 def transform_caption(
@@ -267,25 +368,20 @@ def transform_caption(
     bbox_keys: Iterable[str] = DEFAULT_BBOX_KEYS,
     orientation: int = 1,
 ) -> tuple[Any, BoxCounts]:
-    """A parsed caption with every box moved into `frame`; the input is not modified."""
-    keys = frozenset(bbox_keys)
+    """A parsed caption with every box moved into `frame`; the input is not modified.
+
+    A null slot stays null and is not counted; every other slot is a box or malformed.
+    """
     counts = BoxCounts()
 
-    def walk(node: Any) -> Any:
-        # Plain loops, not comprehensions: one Python frame per JSON level, so deep captions fit.
-        if isinstance(node, dict):
-            result = {}
-            for key, child in node.items():
-                result[key] = _transform_box_value(child, frame, orientation, counts) if key in keys else walk(child)
-            return result
-        if isinstance(node, list):
-            result = []
-            for child in node:
-                result.append(walk(child))
-            return result
-        return node
+    def move(value: Any, holder: dict, key: str, item: int | None, parts: Any) -> list[int] | None:
+        if value is None:
+            return None
+        new_box, outcome = transform_box(value, frame, orientation)
+        counts.add(outcome)
+        return new_box
 
-    return walk(value), counts
+    return map_box_slots(value, bbox_keys, move), counts
 
 
 # -- one row: both crop captions and the meta -----------------------------------------
@@ -310,12 +406,12 @@ class RowResult:
 def _exif_orientation(audits: Mapping[str, AuditRecord]) -> int:
     """The orientation the resize stage found (all resolutions come from one decode)."""
     for record in audits.values():
-        if record.valid and record.exif_orientation in range(1, 9):
+        if record.valid and record.exif_orientation in exif.ORIENTATIONS:
             return record.exif_orientation
     for record in audits.values():
-        if record.exif_orientation in range(1, 9):
+        if record.exif_orientation in exif.ORIENTATIONS:
             return record.exif_orientation
-    return 1
+    return exif.UPRIGHT
 
 
 def _resolution_meta(record: AuditRecord, counts: BoxCounts | None) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import hashlib
 import io
 import math
 import numbers
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -42,7 +41,9 @@ import PIL
 from PIL import Image, ImageChops, ImageCms, ImageMath, features
 
 from .audit import AuditRecord, ErrorCode
+from .errors import describe_exception
 from .geometry import Geometry, geometry
+from .orientation import SWAPS_AXES, oriented_box_to_raw, oriented_size, read_orientation, to_upright
 
 # Pillow's own decompression-bomb guard is switched off on purpose: the configured
 # `PixelOptions.max_source_pixels` is enforced from the header before decoding instead,
@@ -73,22 +74,10 @@ PNG_COMPRESS_LEVEL = 1
 # Largest side each encoder can write.
 ENCODER_MAX_SIDE = {"webp": 16383, "jpeg": 65535, "png": 2**31 - 1}
 
-EXIF_ORIENTATION_TAG = 0x0112
-# Transpose that turns the raw frame upright, per EXIF orientation (as ImageOps.exif_transpose).
-ORIENTATION_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-SWAPS_AXES = frozenset({5, 6, 7, 8})
-
 # Formats that draft (shrink-on-load) applies to.
 DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
 # Every format Pillow can open, except EPS: opening EPS hands untrusted bytes to Ghostscript.
+# Whatever else decodes untrusted images (the overlay pictures) opens them with `open_image` too.
 EXCLUDED_INPUT_FORMATS = frozenset({"EPS"})
 
 SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I"})
@@ -191,7 +180,7 @@ def process_image(data: bytes | None, areas: Sequence[int], options: PixelOption
     except _RowError as err:
         return [_invalid(known, err) for _ in areas]
     except Exception as exc:  # last line of defence: a bad row must never stop a shard
-        err = _RowError(ErrorCode.DECODE_ERROR, _describe(exc))
+        err = _RowError(ErrorCode.DECODE_ERROR, describe_exception(exc))
         return [_invalid(known, err) for _ in areas]
 
 
@@ -249,11 +238,11 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
     if data is None or len(data) == 0:
         raise _RowError(ErrorCode.MISSING_IMAGE, "image bytes are null" if data is None else "image bytes are empty")
     try:
-        image = Image.open(io.BytesIO(data), formats=_input_formats())
+        image = open_image(data)
     except Image.DecompressionBombError as exc:
-        raise _RowError(ErrorCode.TOO_LARGE, _describe(exc)) from None
+        raise _RowError(ErrorCode.TOO_LARGE, describe_exception(exc)) from None
     except Exception as exc:
-        raise _RowError(ErrorCode.DECODE_ERROR, _describe(exc)) from None
+        raise _RowError(ErrorCode.DECODE_ERROR, describe_exception(exc)) from None
 
     raw_w, raw_h = image.size
     known.src_format = image.format
@@ -261,19 +250,16 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
     known.n_frames = _frame_count(image)
     source = _Source(image, (raw_w, raw_h), None)
     if _exif_readable_before_decode(image):
-        _set_orientation(source, known, _read_orientation(image))
+        _set_orientation(source, known, read_orientation(image))
     else:
         known.src_width, known.src_height = raw_w, raw_h  # until the orientation is known
 
     if raw_w <= 0 or raw_h <= 0:
         raise _RowError(ErrorCode.DECODE_ERROR, f"image header gives an empty size {raw_w}x{raw_h}")
     # All three limits are invariant under EXIF rotation, so the raw size is enough.
-    pixels = raw_w * raw_h
-    if pixels > options.max_source_pixels:
-        raise _RowError(
-            ErrorCode.TOO_LARGE,
-            f"source has {pixels} pixels ({raw_w}x{raw_h}), more than max_source_pixels={options.max_source_pixels}",
-        )
+    too_many = too_many_pixels(raw_w, raw_h, options.max_source_pixels)
+    if too_many:
+        raise _RowError(ErrorCode.TOO_LARGE, too_many)
     if min(raw_w, raw_h) < options.min_source_side:
         raise _RowError(
             ErrorCode.TOO_SMALL,
@@ -289,11 +275,26 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
     return source
 
 
+def open_image(data: bytes) -> Image.Image:
+    """Open encoded bytes lazily (the header only) in an allowed input format; raises as Image.open does.
+
+    Nothing is decoded yet: check `too_many_pixels` on `image.size` before `load()`.
+    """
+    return Image.open(io.BytesIO(data), formats=input_formats())
+
+
+def too_many_pixels(width: int, height: int, max_source_pixels: int) -> str | None:
+    """Why a `width x height` source is refused before decoding (decompression bombs), or None."""
+    pixels = width * height
+    if pixels > max_source_pixels:
+        return f"source has {pixels} pixels ({width}x{height}), more than max_source_pixels={max_source_pixels}"
+    return None
+
+
 def _set_orientation(source: _Source, known: AuditRecord, orientation: int) -> None:
     source.orientation = orientation
-    raw_w, raw_h = source.raw_size
     known.exif_orientation = orientation
-    known.src_width, known.src_height = (raw_h, raw_w) if orientation in SWAPS_AXES else (raw_w, raw_h)
+    known.src_width, known.src_height = oriented_size(source.raw_size, orientation)
 
 
 def _frame_count(image: Image.Image) -> int | None:
@@ -307,19 +308,6 @@ def _exif_readable_before_decode(image: Image.Image) -> bool:
     # PngImageFile.getexif() decodes the whole image when no eXIf chunk came before the
     # pixel data; every other format has its EXIF parsed with the header.
     return image.format != "PNG" or "exif" in image.info
-
-
-def _read_orientation(image: Image.Image) -> int:
-    """The EXIF orientation 1..8; 1 when absent, out of range or unreadable."""
-    try:
-        value = image.getexif().get(EXIF_ORIENTATION_TAG)
-    except Exception:  # broken EXIF never fails a row that decodes
-        return 1
-    if isinstance(value, (tuple, list)) and len(value) == 1:
-        value = value[0]
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-        return 1
-    return value
 
 
 def _plan(area: int, known: AuditRecord, options: PixelOptions) -> Geometry | _RowError:
@@ -359,12 +347,12 @@ def _decode(source: _Source, known: AuditRecord, plans: list, options: PixelOpti
     try:
         image.load()
     except Image.DecompressionBombError as exc:
-        raise _RowError(ErrorCode.TOO_LARGE, _describe(exc)) from None
+        raise _RowError(ErrorCode.TOO_LARGE, describe_exception(exc)) from None
     except Exception as exc:
-        raise _RowError(ErrorCode.DECODE_ERROR, _describe(exc)) from None
+        raise _RowError(ErrorCode.DECODE_ERROR, describe_exception(exc)) from None
 
     if source.orientation is None:
-        _set_orientation(source, known, _read_orientation(image))
+        _set_orientation(source, known, read_orientation(image))
         source.orientation_read_late = True
 
     try:
@@ -373,7 +361,7 @@ def _decode(source: _Source, known: AuditRecord, plans: list, options: PixelOpti
     except _RowError:
         raise
     except Exception as exc:
-        raise _RowError(ErrorCode.UNSUPPORTED, _describe(exc)) from None
+        raise _RowError(ErrorCode.UNSUPPORTED, describe_exception(exc)) from None
     if pixels.mode in PREMULTIPLIED:
         # Resample with premultiplied alpha so transparent pixels do not bleed their colour.
         # Done once here rather than by Image.resize once per output.
@@ -492,7 +480,7 @@ def _build_conversion(icc_profile: bytes, mode: str) -> _ColourConversion:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc_profile))
         colour_space = profile.profile.xcolor_space.strip()
     except Exception as exc:
-        return _ColourConversion(note=f"embedded ICC profile ignored, unreadable: {_describe(exc)}")
+        return _ColourConversion(note=f"embedded ICC profile ignored, unreadable: {describe_exception(exc)}")
     expected = _PROFILE_COLOUR_SPACE[mode]
     if colour_space != expected:
         return _ColourConversion(
@@ -504,7 +492,7 @@ def _build_conversion(icc_profile: bytes, mode: str) -> _ColourConversion:
         if colour_space == "RGB" and _is_identity(profile):
             return _ColourConversion()  # an sRGB profile (most photos): converting changes nothing
     except Exception as exc:
-        return _ColourConversion(note=f"embedded ICC profile ignored, no transform to sRGB: {_describe(exc)}")
+        return _ColourConversion(note=f"embedded ICC profile ignored, no transform to sRGB: {describe_exception(exc)}")
     return _ColourConversion(transform=transform)
 
 
@@ -536,7 +524,7 @@ def _to_srgb(image: Image.Image, colour: _ColourConversion) -> tuple[Image.Image
                 return rgb, None
             return ImageCms.applyTransform(image, colour.transform), None
         except Exception as exc:
-            note = f"embedded ICC profile ignored, transform failed: {_describe(exc)}"
+            note = f"embedded ICC profile ignored, transform failed: {describe_exception(exc)}"
             return (image.convert("RGB") if image.mode == "CMYK" else image), note
     if image.mode == "CMYK":
         image = image.convert("RGB")  # no usable profile: Pillow's plain CMYK -> RGB
@@ -569,11 +557,11 @@ def _render(
         resampled = _resample(decoded, target, intermediates)
         finished, note = _finish(resampled, decoded, options)
     except Exception as exc:
-        return _invalid(known, _RowError(ErrorCode.UNSUPPORTED, _describe(exc), target))
+        return _invalid(known, _RowError(ErrorCode.UNSUPPORTED, describe_exception(exc), target))
     try:
         encoded = _encode(finished, options)
     except Exception as exc:
-        return _invalid(known, _RowError(ErrorCode.ENCODE_ERROR, _describe(exc), target))
+        return _invalid(known, _RowError(ErrorCode.ENCODE_ERROR, describe_exception(exc), target))
     record = _with_geometry(replace(known), target)
     record.valid = True
     record.error = None
@@ -645,10 +633,7 @@ def _finish(image: Image.Image, decoded: _Decoded, options: PixelOptions) -> tup
             canvas = Image.new("RGB", rgba.size, background)
             canvas.paste(rgba, mask=rgba.getchannel("A"))
             image = canvas
-    transpose = ORIENTATION_TRANSPOSE.get(decoded.orientation)
-    if transpose is not None:
-        image = image.transpose(transpose)
-    return image, note
+    return to_upright(image, decoded.orientation), note
 
 
 def _encode(image: Image.Image, options: PixelOptions) -> bytes:
@@ -660,33 +645,6 @@ def _encode(image: Image.Image, options: PixelOptions) -> bytes:
     else:
         image.save(buffer, "PNG", compress_level=PNG_COMPRESS_LEVEL)
     return buffer.getvalue()
-
-
-def oriented_box_to_raw(
-    box: tuple[float, float, float, float], orientation: int, raw_size: tuple[int, int]
-) -> tuple[float, float, float, float]:
-    """A box given in the upright (EXIF-oriented) frame, in raw stored-pixel coordinates.
-
-    Inverse of the transposes in ORIENTATION_TRANSPOSE: cropping the raw image with the
-    returned box and then transposing gives the upright image cropped with `box`.
-    """
-    raw_w, raw_h = raw_size
-    x0, y0, x1, y1 = box
-    if orientation == 2:
-        return raw_w - x1, y0, raw_w - x0, y1
-    if orientation == 3:
-        return raw_w - x1, raw_h - y1, raw_w - x0, raw_h - y0
-    if orientation == 4:
-        return x0, raw_h - y1, x1, raw_h - y0
-    if orientation == 5:
-        return y0, x0, y1, x1
-    if orientation == 6:
-        return y0, raw_h - x1, y1, raw_h - x0
-    if orientation == 7:
-        return raw_w - y1, raw_h - x1, raw_w - y0, raw_h - x0
-    if orientation == 8:
-        return raw_w - y1, x0, raw_w - y0, x1
-    return box
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -707,21 +665,13 @@ def _with_geometry(record: AuditRecord, target: Geometry) -> AuditRecord:
     return record
 
 
-_MEMORY_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _describe(exc: BaseException) -> str:
-    """Exception text for error_detail; memory addresses removed so rebuilds are byte-identical."""
-    text = _MEMORY_ADDRESS.sub("", str(exc))
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _is_int(value: object) -> bool:
     # numbers.Integral also admits numpy integers (e.g. areas read from Parquet or YAML).
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @lru_cache(maxsize=1)
-def _input_formats() -> tuple[str, ...]:
+def input_formats() -> tuple[str, ...]:
+    """The formats untrusted image bytes may be opened as: every one Pillow knows except EXCLUDED_INPUT_FORMATS."""
     Image.init()
     return tuple(name for name in Image.OPEN if name not in EXCLUDED_INPUT_FORMATS)

@@ -5,10 +5,14 @@ caption columns of the main shard (or of a caption dataset with the same layout 
 and the key and audit columns of the 512 and 1024 resized shards. The geometry comes from
 the audits, so nothing is decoded. Output: the key column, the two crop captions and
 `bbox_resize_meta`, row for row, written atomically.
+
+A main shard without the caption column is not an error: every row's caption is then
+`missing` (both crop columns null, the meta says so). A configured caption dataset must
+have the column.
 """
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,18 +29,22 @@ from fixed_res_sidecar.core.bbox import (
     RowResult,
     crop_captions_for_row,
 )
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
 from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, read_settings
 
-CROP_COLUMNS = {"512": "structured_description_crop_512", "1024": "structured_description_crop_1024"}
+CROP_COLUMNS = {name: f"structured_description_crop_{name}" for name in RESOLUTIONS}
 META_COLUMN = "bbox_resize_meta"
-RESOLUTIONS = ("512", "1024")
 BATCH_ROWS = 4096  # rows read per step; only keys, captions and audit numbers are held
 OUTPUT_ROW_GROUP_ROWS = 16384
 
 
 class CropBboxInputError(RuntimeError):
     """An input shard that cannot be used for this main shard (missing, wrong rows or keys); names it."""
+
+
+class CropBboxGateError(CropBboxInputError):
+    """A resized shard that has not passed its verifier (SPEC 7 gate); names it and the failed checks."""
 
 
 @dataclass
@@ -48,6 +56,7 @@ class CropBboxResult:
     # ("invalid_rows") plus box counts over the shard (total, inside, clipped, outside, malformed).
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0
+    caption_column_missing: bool = False  # the main shard has no caption column: every caption is missing
 
     @property
     def built(self) -> bool:
@@ -65,9 +74,10 @@ class CropBboxResult:
                 f"{c['outside']} outside, {c['malformed']} malformed), {c['invalid_rows']} invalid rows"
             )
         captions = self.counts["captions"]
+        no_column = " (the main shard has no caption column)" if self.caption_column_missing else ""
         return (
             f"built ({self.rows} rows, {self.seconds:.1f} s; captions: {captions['ok']} ok, "
-            f"{captions['missing']} missing, {captions['invalid_json']} invalid; {'; '.join(parts)})"
+            f"{captions['missing']} missing{no_column}, {captions['invalid_json']} invalid; {'; '.join(parts)})"
         )
 
 
@@ -142,17 +152,23 @@ def build_crop_bbox_shard(
     key_column: str = "image_key",
     caption_column: str = "structured_description",
     caption_location: Location | None = None,
-    audit_prefix_512: str = "0_26mp_process",
-    audit_prefix_1024: str = "1_05mp_process",
+    audit_prefix_512: str = RESOLUTIONS["512"].audit_prefix,
+    audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix,
     bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
     caption_frame: str = "oriented",
     skip_existing: bool = False,
+    gate: Callable[[str], None] | None = None,
 ) -> CropBboxResult:
     """Write `output/rel`: the crop captions and `bbox_resize_meta` of every row of `main/rel`.
 
     Raises CropBboxInputError, naming the shard, when an input shard is missing, unreadable,
     lacks a column, or disagrees with the main shard in row count or keys. Nothing is written
-    then (a mismatch found while streaming aborts the atomic write).
+    then (a mismatch found while streaming aborts the atomic write). A main shard without
+    `caption_column` gives every row the caption status `missing`; a caption dataset
+    (`caption_location`) without it is an error.
+
+    `gate(rel)`, when given, runs once the inputs are open and the shard is not skipped as up
+    to date, before anything is written; it raises (e.g. CropBboxGateError) to refuse the build.
     """
     started = time.monotonic()
     if caption_frame not in CAPTION_FRAMES:
@@ -165,9 +181,12 @@ def build_crop_bbox_shard(
     input_locations = [main, *([caption_location] if caption_location else []), *resized.values()]
     check_output_locations(main, output, input_locations)
 
-    # The caption comes from the main shard unless a caption dataset is configured.
-    main_columns = [key_column] if caption_location else [key_column, caption_column]
-    main_input = _open_input("main", main, rel, main_columns)
+    # The caption comes from the main shard unless a caption dataset is configured; a main
+    # shard without the caption column has no captions (every row `missing`).
+    main_input = _open_input("main", main, rel, [key_column])
+    captions_in_main = caption_location is None and caption_column in main_input.shard.schema_arrow.names
+    if captions_in_main:
+        main_input.columns.append(caption_column)
     rows = main_input.shard.metadata.num_rows
     inputs = [main_input]
     if caption_location is not None:
@@ -175,7 +194,11 @@ def build_crop_bbox_shard(
     for name in RESOLUTIONS:
         audit_names = [f.name for f in audit_columns(audit_prefixes[name])]
         inputs.append(_open_input(f"resized {name}", resized[name], rel, [key_column, *audit_names], rows))
-    caption_input = inputs[1] if caption_location is not None else main_input
+    caption_input: _Input | None = None  # None: no captions at all
+    if caption_location is not None:
+        caption_input = inputs[1]
+    elif captions_in_main:
+        caption_input = main_input
     resized_inputs = dict(zip(RESOLUTIONS, inputs[-2:]))
 
     settings = crop_bbox_settings(
@@ -189,6 +212,8 @@ def build_crop_bbox_shard(
     )
     if skip_existing and is_up_to_date(output, rel, rows, settings):
         return CropBboxResult(rel, "skipped", rows, seconds=time.monotonic() - started)
+    if gate is not None:
+        gate(rel)
 
     schema = pa.schema(
         [
@@ -216,7 +241,7 @@ def build_crop_bbox_shard(
                 name: read_audit_records(pa.Table.from_batches([by_role[i.role]]), audit_prefixes[name])
                 for name, i in resized_inputs.items()
             }
-            captions = by_role[caption_input.role].column(1).to_pylist()
+            captions = by_role[caption_input.role].column(1).to_pylist() if caption_input else [None] * len(keys)
             try:
                 columns = _crop_columns(keys, captions, audits, bbox_keys, caption_frame, tally)
             except ValueError as exc:  # a resized shard's audit is inconsistent
@@ -231,7 +256,9 @@ def build_crop_bbox_shard(
             writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=OUTPUT_ROW_GROUP_ROWS)
         if row_offset != rows:  # the footers agreed with each other, so a file is corrupt
             raise CropBboxInputError(f"{main_uri}: read {row_offset} rows, its footer says {rows}")
-    return CropBboxResult(rel, "built", rows, tally.as_dict(), time.monotonic() - started)
+    return CropBboxResult(
+        rel, "built", rows, tally.as_dict(), time.monotonic() - started, caption_column_missing=caption_input is None
+    )
 
 
 def _crop_columns(

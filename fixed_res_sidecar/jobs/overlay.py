@@ -5,17 +5,32 @@ orientation applied) with the boxes of `structured_description`, the 512 image w
 `structured_description_crop_512` boxes, and the 1024 image with the
 `structured_description_crop_1024` boxes. Box number i has the same colour and label in
 every panel, so a reviewer can see at a glance whether a box still sits on its object.
+
+Images here are untrusted input, decoded as carefully as by the resize: only the formats
+core/pixels.py accepts are opened, and an image whose header gives more than
+`max_source_pixels` pixels is not decoded at all (its panel says so). Box slots come from
+core/bbox.py's walker and EXIF orientation from core/orientation.py, so a picture shows
+what the resize and the sidecar did, not a second opinion.
 """
 
 import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont, ImageOps
+from PIL import Image, ImageDraw, ImageFont
 
-from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS, parse_box, raw_box_to_oriented
+from fixed_res_sidecar.core.bbox import (
+    CAPTION_FRAMES,
+    DEFAULT_BBOX_KEYS,
+    BoxSlot,
+    box_slots,
+    parse_box,
+    raw_box_to_oriented,
+)
+from fixed_res_sidecar.core.orientation import oriented_size, read_orientation, to_upright
+from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
 
 PANEL_HEIGHT = 384
 TITLE_HEIGHT = 22  # title strip above each panel
@@ -39,75 +54,45 @@ BOX_COLOURS = (
     (170, 110, 40),
 )
 LABEL_KEYS = ("label", "name", "category", "object", "text")
+DEFAULT_MAX_SOURCE_PIXELS = PixelOptions().max_source_pixels
 
 
 @dataclass(frozen=True)
-class BoxSlot:
-    """One place in a caption where a box may be: its walk order, JSON path and value.
+class LabelledSlot:
+    """A box slot of a caption (core/bbox.py's walk) with the label drawn next to its box."""
 
-    `value` is whatever the caption holds there (a valid box, null, or anything
-    malformed); the crop variants keep the caption's structure, so slot i of the
-    original and slot i of a crop variant are the same object.
-    """
-
-    index: int
+    index: int  # walk order: the same object has the same index in the original and its crops
     path: str
     value: Any
     label: str
 
 
-def iter_box_slots(caption: Any, bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS) -> Iterator[BoxSlot]:
-    """Every box slot of a parsed caption, depth first, in key order (SPEC 6 walk).
+def iter_box_slots(
+    caption: Any, bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False
+) -> list[LabelledSlot]:
+    """Every box slot of a parsed caption, in walk order, with its label.
 
-    Same rules as core/bbox.py: under a bbox key, `[]` holds no box; a list holding at
-    least one list is a list of boxes, one slot per item (crop variants keep a null
-    where a box had no area left); any other value, null included, is one slot.
+    The slots are core/bbox.py's (`box_slots`); `crop_frame` for a crop variant. A box is
+    named by its object's label (the first text among LABEL_KEYS of the object holding the
+    box key), else by the last part of that object's path, else by the box key; the
+    elements of a list of boxes add their position.
     """
-    counter = iter(range(1 << 62))
-
-    def walk(node: Any, path: str) -> Iterator[BoxSlot]:
-        if isinstance(node, dict):
-            own_label = next((node[k] for k in LABEL_KEYS if isinstance(node.get(k), str)), None)
-            for key, value in node.items():
-                child_path = f"{path}.{key}" if path else str(key)
-                if key in bbox_keys:
-                    # Name a box by its object's label, else by the key that holds it.
-                    slot_label = own_label or (path.rsplit(".", 1)[-1] if path else str(key))
-                    if value == []:
-                        continue  # an empty list under a box key holds no box
-                    if _is_box_list(value):
-                        for i, item in enumerate(value):
-                            yield BoxSlot(next(counter), f"{child_path}[{i}]", item, f"{slot_label}[{i}]")
-                    else:
-                        yield BoxSlot(next(counter), child_path, value, slot_label)
-                else:
-                    yield from walk(value, child_path)
-        elif isinstance(node, list):
-            for i, item in enumerate(node):
-                yield from walk(item, f"{path}[{i}]")
-
-    yield from walk(caption, "")
+    slots = box_slots(caption, bbox_keys, crop_frame=crop_frame)
+    return [LabelledSlot(s.index, s.path, s.value, _label(s)) for s in slots]
 
 
-def _is_box_list(value: Any) -> bool:
-    # core/bbox.py's rule: a list holding at least one list is a list of boxes.
-    return isinstance(value, list) and any(isinstance(item, list) for item in value)
-
-
-def is_valid_box(value: Any) -> bool:
-    """A crop-frame box: four integers in 0..1000, [ymin, xmin, ymax, xmax], min <= max."""
-    if not isinstance(value, list) or len(value) != 4:
-        return False
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return False
-    return parse_box(value) is not None
+def _label(slot: BoxSlot) -> str:
+    holder, holder_path = slot.holder, slot.holder_path
+    own = next((holder[k] for k in LABEL_KEYS if isinstance(holder.get(k), str)), None)
+    label = own or (holder_path.rsplit(".", 1)[-1] if holder_path else str(slot.key))
+    return label if slot.item is None else f"{label}[{slot.item}]"
 
 
 @dataclass
 class _Panel:
     title: str
     image: Image.Image  # already scaled to the panel height
-    boxes: list[tuple[BoxSlot, tuple[float, float, float, float]]]
+    boxes: list[tuple[LabelledSlot, tuple[float, float, float, float]]]
 
 
 def overlay_picture(
@@ -122,18 +107,22 @@ def overlay_picture(
     bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
     caption_frame: str = "oriented",
     labels: Sequence[str] = ("original", "512", "1024"),
+    max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS,
 ) -> bytes:
     """A PNG: original | 512 | 1024, each with its own boxes; a missing image is a grey panel.
 
     The original is shown upright. Caption boxes are in that upright frame (SPEC 6),
     unless `caption_frame` is "raw": then they are moved through the EXIF orientation.
+    An image in a refused format, or with more than `max_source_pixels` pixels by its
+    header, is not decoded: its panel is grey and its title says why.
     """
     if caption_frame not in CAPTION_FRAMES:
         raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
+    limit = max_source_pixels
     panels = [
-        _original_panel(original, caption, labels[0], panel_height, bbox_keys, caption_frame == "raw"),
-        _resized_panel(img_512, crop_512, labels[1], panel_height, bbox_keys),
-        _resized_panel(img_1024, crop_1024, labels[2], panel_height, bbox_keys),
+        _original_panel(original, caption, labels[0], panel_height, bbox_keys, caption_frame == "raw", limit),
+        _resized_panel(img_512, crop_512, labels[1], panel_height, bbox_keys, limit),
+        _resized_panel(img_1024, crop_1024, labels[2], panel_height, bbox_keys, limit),
     ]
     return _compose(panels, panel_height)
 
@@ -148,17 +137,14 @@ def panel_width(width: int, height: int, panel_height: int = PANEL_HEIGHT) -> in
     return max(1, round(width * panel_height / height))
 
 
-def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame) -> _Panel:
-    image, problem = _decode(data, draft_to=panel_height)
+def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame, max_source_pixels) -> _Panel:
+    image, problem = _decode(data, max_source_pixels, draft_to=panel_height)
     if image is None:
         return _placeholder(f"{label}: {problem}", panel_height)
     full_size = image.info.get("full_size", image.size)  # before shrink-on-load
-    orientation = _exif_orientation(image)
-    try:
-        upright = ImageOps.exif_transpose(image)
-    except Exception:  # broken EXIF: show the stored pixels
-        upright, orientation = image, 1
-    width, height = full_size[::-1] if orientation in (5, 6, 7, 8) else full_size
+    orientation = read_orientation(image)  # as the resize read it
+    upright = to_upright(image, orientation)
+    width, height = oriented_size(full_size, orientation)
     title = f"{label} {width}x{height}" + (f" (EXIF {orientation})" if orientation != 1 else "")
     move = (lambda box: raw_box_to_oriented(box, orientation)) if raw_frame else None
     boxes, caption_problem = _panel_boxes(caption, bbox_keys, move)
@@ -166,17 +152,17 @@ def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame) ->
     return _Panel(title, _scaled(upright, panel_height), boxes)
 
 
-def _resized_panel(data, crop_caption, label, panel_height, bbox_keys) -> _Panel:
-    image, problem = _decode(data)
+def _resized_panel(data, crop_caption, label, panel_height, bbox_keys, max_source_pixels) -> _Panel:
+    image, problem = _decode(data, max_source_pixels)
     if image is None:
         return _placeholder(f"{label}: {problem}", panel_height)
-    boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys)
+    boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys, crop_frame=True)
     title = f"{label} {image.width}x{image.height}"
     title += f", {len(boxes)} boxes" if caption_problem is None else f", crop caption {caption_problem}"
     return _Panel(title, _scaled(image, panel_height), boxes)
 
 
-def _panel_boxes(caption: str | None, bbox_keys, move=None) -> tuple[list, str | None]:
+def _panel_boxes(caption: str | None, bbox_keys, move=None, crop_frame: bool = False) -> tuple[list, str | None]:
     """(slot, box) for every drawable box of a caption, and what is wrong with the caption."""
     if caption is None:
         return [], "missing"
@@ -185,19 +171,24 @@ def _panel_boxes(caption: str | None, bbox_keys, move=None) -> tuple[list, str |
     except (TypeError, ValueError):
         return [], "invalid JSON"
     boxes = []
-    for slot in iter_box_slots(parsed, bbox_keys):
+    for slot in iter_box_slots(parsed, bbox_keys, crop_frame=crop_frame):
         box = parse_box(slot.value)
         if box is not None:
             boxes.append((slot, move(box) if move else box))
     return boxes, None
 
 
-def _decode(data: bytes | None, draft_to: int | None = None) -> tuple[Image.Image | None, str | None]:
+def _decode(
+    data: bytes | None, max_source_pixels: int, draft_to: int | None = None
+) -> tuple[Image.Image | None, str | None]:
+    """The decoded image, or None and why not; refused formats and oversized headers are never decoded."""
     if not data:
         return None, "no image"
     try:
-        image = Image.open(io.BytesIO(data))
+        image = open_image(data)  # header only, allowed formats only
         full_size = image.size
+        if too_many_pixels(*full_size, max_source_pixels):
+            return None, f"not decoded, {full_size[0]}x{full_size[1]} exceeds max_source_pixels={max_source_pixels}"
         if draft_to and image.format == "JPEG":
             # Shrink-on-load: both sides stay >= the panel height, enough in either orientation.
             image.draft("RGB", (draft_to, draft_to))
@@ -206,14 +197,6 @@ def _decode(data: bytes | None, draft_to: int | None = None) -> tuple[Image.Imag
         return image, None
     except Exception as exc:
         return None, f"does not decode ({type(exc).__name__})"
-
-
-def _exif_orientation(image: Image.Image) -> int:
-    try:
-        value = int(image.getexif().get(0x0112, 1))
-    except Exception:
-        return 1
-    return value if value in range(1, 9) else 1
 
 
 def _scaled(image: Image.Image, panel_height: int) -> Image.Image:
@@ -262,7 +245,7 @@ def _compose(panels: list[_Panel], panel_height: int) -> bytes:
     return out.getvalue()
 
 
-def _colour(slot: BoxSlot) -> tuple[int, int, int]:
+def _colour(slot: LabelledSlot) -> tuple[int, int, int]:
     return BOX_COLOURS[slot.index % len(BOX_COLOURS)]
 
 

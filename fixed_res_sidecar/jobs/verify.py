@@ -18,9 +18,14 @@ Crop-bbox sidecar checks:
   bbox_resize_meta exist), boxes_valid (every non-null box in the crop columns is four
   integers in 0..1000 with min <= max), meta_matches_audit (the meta's validity, sizes,
   crop box and scale agree with both resize audits), and overlays_written when an
-  overlay folder is given.
+  overlay folder is given. Which keys hold boxes and the frame of the captions are read
+  from the sidecar shard's recorded build settings unless given.
+
+Images are read as Arrow arrays: presence is checked with Arrow compute, and only the
+sampled rows' bytes are copied into Python.
 """
 
+import bisect
 import hashlib
 import io
 import json
@@ -36,11 +41,15 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import AUDIT_TYPES, ERROR_CODES, audit_column
-from fixed_res_sidecar.core.bbox import DEFAULT_BBOX_KEYS
-from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, near_target_area
+from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS, box_slots, is_valid_crop_box
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.core.geometry import geometry, near_target_area
+from fixed_res_sidecar.core.image_cell import has_image, image_bytes, image_bytes_array, is_image_type
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS, area_for_audit_prefix
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
 from fixed_res_sidecar.jobs import overlay
 from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, META_COLUMN
+from fixed_res_sidecar.jobs.settings import read_settings
 
 SHARD_COMPLETE = "shard_complete"
 KEYS_MATCH = "keys_match"
@@ -54,11 +63,9 @@ META_MATCHES_AUDIT = "meta_matches_audit"
 OVERLAYS_WRITTEN = "overlays_written"
 CROP_BBOX_CHECKS = (SHARD_COMPLETE, SIDECAR_COLUMNS, KEYS_MATCH, BOXES_VALID, META_MATCHES_AUDIT)
 
-TARGET_AREA_BY_AUDIT_PREFIX = {"0_26mp_process": AREA_512, "1_05mp_process": AREA_1024}
-RESOLUTION_BY_AREA = {AREA_512: "512", AREA_1024: "1024"}
-
 MAX_EXAMPLES = 20  # invalid rows listed per shard report (SPEC 7)
 MAX_PROBLEMS = 10  # offending rows kept in a failed check's metadata
+MAX_MESSAGE_CHARS = 300  # exception text in a check message: its first line, at most this long
 IMAGE_BATCH_ROWS = 64  # rows of encoded images in memory at once
 REPORT_SUFFIX = ".verify.json"
 
@@ -112,10 +119,14 @@ class ShardReport:
         return json.dumps(self.to_dict(), indent=2, sort_keys=False)
 
 
+def shard_stem(rel: str) -> str:
+    """A shard's relative path without `.parquet`: where its report and overlay pictures go."""
+    return rel.removesuffix(SHARD_SUFFIX)
+
+
 def report_rel(rel: str) -> str:
     """Where a shard's report goes: `<rel without .parquet>.verify.json`."""
-    stem = rel[: -len(SHARD_SUFFIX)] if rel.endswith(SHARD_SUFFIX) else rel
-    return stem + REPORT_SUFFIX
+    return shard_stem(rel) + REPORT_SUFFIX
 
 
 def write_report(location: Location, rel: str, report: ShardReport, protect: Sequence[Location] = ()) -> str:
@@ -127,13 +138,18 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
 
 def default_target_area(audit_prefix: str) -> int:
     """The target area the default audit prefixes stand for (SPEC 1)."""
-    try:
-        return TARGET_AREA_BY_AUDIT_PREFIX[audit_prefix]
-    except KeyError:
+    area = area_for_audit_prefix(audit_prefix)
+    if area is None:
+        defaults = {r.audit_prefix: r.area for r in RESOLUTIONS.values()}
         raise ValueError(
-            f"no default target area for audit prefix {audit_prefix!r}; give it explicitly "
-            f"(defaults: {TARGET_AREA_BY_AUDIT_PREFIX})"
-        ) from None
+            f"no default target area for audit prefix {audit_prefix!r}; give it explicitly (defaults: {defaults})"
+        )
+    return area
+
+
+def _resolution_name(area: int) -> str:
+    """"512" / "1024" for the two fixed areas, else the area as text."""
+    return next((r.name for r in RESOLUTIONS.values() if r.area == area), str(area))
 
 
 # -- reading shards without raising -----------------------------------------------
@@ -169,15 +185,12 @@ def _read_columns(parquet_file: pq.ParquetFile, columns: Sequence[str], uri: str
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:300]
+    return describe_exception(exc, max_chars=MAX_MESSAGE_CHARS)
 
 
 def _image_bytes(cell: Any) -> bytes | None:
-    """Encoded bytes of an image cell: plain binary or the Hugging Face {bytes, path} struct."""
-    if isinstance(cell, dict):
-        cell = cell.get("bytes")
-    return cell or None
+    """Encoded bytes of an image cell (plain binary or {bytes, path} struct); None when absent or empty."""
+    return image_bytes(cell) or None
 
 
 def _read_rows(parquet_file: pq.ParquetFile, rows: Sequence[int], columns: Sequence[str]) -> dict[int, dict[str, Any]]:
@@ -222,8 +235,9 @@ class _ResizedShard:
     rows: int
     columns: pa.Table  # key + audit columns that exist
     image_type: pa.DataType | None
-    has_image: list[bool] | None  # per row: a non-empty image cell; None without an image column
+    has_image: list[bool] | None  # per row: a non-empty image cell; None without a usable image column
     sampled: dict[int, bytes]  # row -> encoded image, for the sampled rows
+    image_problem: str | None = None  # why has_image is None
 
 
 def verify_resized_shard(
@@ -249,7 +263,7 @@ def verify_resized_shard(
         kind="resized",
         rel=rel,
         shard=output.child(rel),
-        resolution=RESOLUTION_BY_AREA.get(area, str(area)),
+        resolution=_resolution_name(area),
         target_area=area,
         audit_prefix=audit_prefix,
     )
@@ -271,9 +285,46 @@ def verify_resized_shard(
         _guarded(
             SAMPLE_IMAGES, shard.uri, _check_sample_images, shard, key_column, audit_prefix, area, patch_size, square
         ),
-        _guarded(AUDIT_CONSISTENT, shard.uri, _check_audit, shard, report, key_column, image_column, audit_prefix),
+        _guarded(AUDIT_CONSISTENT, shard.uri, _check_audit, shard, report, key_column, audit_prefix),
     ]
     return report
+
+
+def resized_gate_problems(
+    main: Location,
+    rel: str,
+    resized: dict[str, tuple[Location, str]],
+    *,
+    key_column: str = "image_key",
+    image_column: str = "image",
+    patch_size: int = 32,
+    sample: int = 32,
+    square: bool = False,
+) -> list[str]:
+    """SPEC 7 gate: why `rel`'s crop-bbox sidecar must not be built yet; empty when it may.
+
+    `resized` maps "512" and "1024" to (location, audit prefix); each resized shard is checked
+    with `verify_resized_shard` at its resolution's fixed area. One line per resized shard
+    that fails, naming the shard and each failed check with its message.
+    """
+    problems = []
+    for name, (location, audit_prefix) in resized.items():
+        report = verify_resized_shard(
+            main,
+            rel,
+            location,
+            key_column=key_column,
+            image_column=image_column,
+            audit_prefix=audit_prefix,
+            target_area=RESOLUTIONS[name].area,
+            patch_size=patch_size,
+            sample=sample,
+            square=square,
+        )
+        if not report.passed:
+            failed = "; ".join(f"{c.name} ({c.message})" for c in report.failed_checks)
+            problems.append(f"resized {name} shard {report.shard} did not pass the verifier: {failed}")
+    return problems
 
 
 def _guarded(name: str, uri: str, check, *args) -> CheckResult:
@@ -316,23 +367,30 @@ def _load_resized(
         columns = _read_columns(parquet_file, wanted, uri)
         valid_name = audit_column(audit_prefix, "valid")
         valid = columns.column(valid_name).to_pylist() if valid_name in columns.column_names else [True] * rows
-        sampled_rows = set(sample_rows([i for i, v in enumerate(valid) if v], sample, rel))
+        sampled_rows = sample_rows([i for i, v in enumerate(valid) if v], sample, rel)  # sorted
         if image_column not in parquet_file.schema_arrow.names:
-            return _ResizedShard(uri, rows, columns, None, None, {})
+            return _ResizedShard(uri, rows, columns, None, None, {}, f"image column {image_column!r} is missing")
         image_type = parquet_file.schema_arrow.field(image_column).type
-        has_image: list[bool] = []
+        if not is_image_type(image_type):
+            problem = f"image column {image_column!r} has type {image_type}, not encoded bytes"
+            return _ResizedShard(uri, rows, columns, image_type, None, {}, problem)
+        present: list[bool] = []
         sampled: dict[int, bytes] = {}
         try:
-            # One streaming pass: every row's presence, and the bytes of the sampled rows only.
+            # One streaming pass: every row's presence by Arrow compute; only the sampled rows'
+            # bytes are copied out of Arrow.
             for batch in parquet_file.iter_batches(batch_size=IMAGE_BATCH_ROWS, columns=[image_column]):
-                for cell in batch.column(0).to_pylist():
-                    data = _image_bytes(cell)
-                    if len(has_image) in sampled_rows and data is not None:
-                        sampled[len(has_image)] = data
-                    has_image.append(data is not None)
+                start, cells = len(present), batch.column(0)
+                present.extend(has_image(cells).to_pylist())
+                first, last = bisect.bisect_left(sampled_rows, start), bisect.bisect_left(sampled_rows, len(present))
+                in_batch = [row - start for row in sampled_rows[first:last]]
+                if in_batch:
+                    for offset, data in zip(in_batch, image_bytes_array(cells).take(in_batch).to_pylist()):
+                        if data:
+                            sampled[start + offset] = data
         except Exception as exc:
             raise ShardProblem(f"{uri}: image column {image_column!r} could not be read: {_describe(exc)}") from exc
-        return _ResizedShard(uri, rows, columns, image_type, has_image, sampled)
+        return _ResizedShard(uri, rows, columns, image_type, present, sampled)
 
 
 def _check_row_count(uri: str, rows: int, main_rows: int, what: str) -> CheckResult:
@@ -389,7 +447,7 @@ def _check_sample_images(
     shard: _ResizedShard, key_column: str, prefix: str, area: int, patch_size: int, square: bool
 ) -> CheckResult:
     if shard.has_image is None:
-        return CheckResult(SAMPLE_IMAGES, False, f"{shard.uri}: image column is missing, nothing to decode")
+        return CheckResult(SAMPLE_IMAGES, False, f"{shard.uri}: {shard.image_problem}, nothing to decode")
     audit = _audit_dict(shard.columns, prefix, shard.uri)
     keys = _column_or_nulls(shard.columns, key_column)
     problems = []
@@ -456,7 +514,7 @@ def _sample_problem(data: bytes, audit: dict[str, Any], area: int, patch_size: i
 
 
 def _check_audit(
-    shard: _ResizedShard, report: ShardReport, key_column: str, image_column: str, prefix: str
+    shard: _ResizedShard, report: ShardReport, key_column: str, prefix: str
 ) -> CheckResult:
     table = shard.columns
     audit_names = {f: audit_column(prefix, f) for f in AUDIT_TYPES}
@@ -471,7 +529,7 @@ def _check_audit(
     if wrong_types:
         return CheckResult(AUDIT_CONSISTENT, False, f"{shard.uri}: audit columns with the wrong type: {wrong_types}")
     if shard.has_image is None:
-        return CheckResult(AUDIT_CONSISTENT, False, f"{shard.uri}: image column {image_column!r} is missing")
+        return CheckResult(AUDIT_CONSISTENT, False, f"{shard.uri}: {shard.image_problem}")
 
     keys = _column_or_nulls(table, key_column)
     valid = table.column(audit_names["valid"]).to_pylist()
@@ -531,21 +589,27 @@ def verify_crop_bbox_shard(
     sidecar: Location,
     *,
     key_column: str = "image_key",
-    audit_prefix_512: str = "0_26mp_process",
-    audit_prefix_1024: str = "1_05mp_process",
+    audit_prefix_512: str = RESOLUTIONS["512"].audit_prefix,
+    audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix,
     image_column: str = "image",
     caption_column: str = "structured_description",
     caption_location: Location | None = None,
-    bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
-    caption_frame: str = "oriented",
+    bbox_keys: Sequence[str] | None = None,
+    caption_frame: str | None = None,
     overlay_dir: Location | None = None,
     overlay_sample: int = 4,
+    max_source_pixels: int | None = None,
 ) -> ShardReport:
     """SPEC 7's crop-sidecar checks for `sidecar/rel`; writes overlay PNGs when `overlay_dir` is set.
 
-    The options mean what they mean for `build_crop_bbox_shard`. Overlays go to
-    `overlay_dir/<rel without .parquet>/<row>-<key>.png`, for up to `overlay_sample`
-    rows that have boxes in both crop frames (sampled as for images).
+    The options mean what they mean for `build_crop_bbox_shard`. `bbox_keys` and
+    `caption_frame` default to what the sidecar shard recorded in its build settings (else
+    SPEC 6's defaults); the report's stats say which were used. Overlays go to
+    `overlay_dir/<rel without .parquet>/<row>-<key>.png`, for up to `overlay_sample` rows,
+    sampled as for images among the rows with boxes in both crop frames; rows whose resize
+    was invalid are drawn only when no row has resized images. Overlay pictures decode no
+    image with more than `max_source_pixels` pixels by its header (default: the limit the
+    resized shards recorded, else the pixel pipeline's default).
     """
     uri = sidecar.child(rel)
     report = ShardReport(kind="crop_bbox", rel=rel, shard=uri)
@@ -559,10 +623,15 @@ def verify_crop_bbox_shard(
         with _open_shard(sidecar, rel, "sidecar") as parquet_file:
             rows = parquet_file.metadata.num_rows
             table = _read_columns(parquet_file, [key_column, *CROP_COLUMNS.values(), META_COLUMN], uri)
+            recorded = _recorded_settings(parquet_file)
     except ShardProblem as problem:
         report.checks = _not_checked(names, problem, shard_incomplete=True)
         return report
 
+    bbox_keys = tuple(bbox_keys) if bbox_keys is not None else _recorded_bbox_keys(recorded)
+    caption_frame = caption_frame if caption_frame is not None else _recorded_caption_frame(recorded)
+    report.stats["bbox_keys"] = list(bbox_keys)
+    report.stats["caption_frame"] = caption_frame
     report.rows = rows
     audits = {"512": (resized_512, audit_prefix_512), "1024": (resized_1024, audit_prefix_1024)}
     report.checks = [
@@ -576,14 +645,49 @@ def verify_crop_bbox_shard(
         sources = _OverlaySources(
             main, caption_location or main, resized_512, resized_1024, image_column, caption_column
         )
-        options = {"bbox_keys": tuple(bbox_keys), "caption_frame": caption_frame}
+        if max_source_pixels is None:
+            max_source_pixels = _recorded_max_source_pixels(recorded)
+        options = {"bbox_keys": bbox_keys, "caption_frame": caption_frame, "max_source_pixels": max_source_pixels}
         report.checks.append(
             _guarded(
                 OVERLAYS_WRITTEN, uri, _write_overlays,
-                uri, rel, table, key_column, sources, overlay_dir, overlay_sample, options, report,
+                uri, rel, table, key_column, sources, audits, overlay_dir, overlay_sample, options, report,
             )
         )
     return report
+
+
+def _recorded_settings(parquet_file: pq.ParquetFile) -> dict[str, Any]:
+    """The build settings a shard recorded in its footer; {} when none or unreadable."""
+    try:
+        settings = read_settings(parquet_file)
+    except Exception:  # a foreign or damaged footer: fall back to the defaults
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def _recorded_bbox_keys(settings: dict[str, Any]) -> tuple[str, ...]:
+    keys = settings.get("bbox_keys")
+    if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys):
+        return tuple(keys)
+    return DEFAULT_BBOX_KEYS
+
+
+def _recorded_caption_frame(settings: dict[str, Any]) -> str:
+    frame = settings.get("caption_frame")
+    return frame if frame in CAPTION_FRAMES else CAPTION_FRAMES[0]
+
+
+def _recorded_max_source_pixels(settings: dict[str, Any]) -> int:
+    """The smallest source limit the resized shards were built with, else the pipeline's default."""
+    resized = settings.get("resized_settings")
+    limits = [
+        s.get("max_source_pixels")
+        for s in (resized.values() if isinstance(resized, dict) else ())
+        if isinstance(s, dict)
+    ]
+    limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(limits) if limits else overlay.DEFAULT_MAX_SOURCE_PIXELS
 
 
 def _check_sidecar_columns(uri: str, table: pa.Table) -> CheckResult:
@@ -622,15 +726,15 @@ def _check_boxes(uri: str, table: pa.Table, key_column: str, bbox_keys: Sequence
             except ValueError as exc:
                 problem(row, column, f"invalid JSON: {exc}")
                 continue
-            for slot in overlay.iter_box_slots(caption, bbox_keys):
+            for slot in box_slots(caption, bbox_keys, crop_frame=True):
                 if slot.value is None:
                     boxes[f"{resolution}_null"] += 1
-                elif overlay.is_valid_box(slot.value):
+                elif is_valid_crop_box(slot.value):
                     boxes[f"{resolution}_valid"] += 1
                 else:
                     boxes[f"{resolution}_invalid"] += 1
                     problem(row, column, f"{slot.path} = {slot.value!r} is not a valid box")
-    metadata = {"boxes": dict(sorted(boxes.items()))}
+    metadata = {"boxes": dict(sorted(boxes.items())), "bbox_keys": list(bbox_keys)}
     if problems:
         return _problems_result(BOXES_VALID, uri, "bad box(es)", problems, metadata)
     valid = sum(n for name, n in boxes.items() if name.endswith("_valid"))
@@ -645,6 +749,18 @@ def _read_audit(location: Location, rel: str, prefix: str, key_column: str) -> t
     if missing:
         raise ShardProblem(f"resized shard {uri} lacks audit columns {missing}")
     return uri, table
+
+
+def _valid_flags(location: Location, rel: str, prefix: str, rows: int) -> list[bool | None]:
+    """The `valid` audit column of a resized shard (which must have `rows` rows)."""
+    uri, name = location.child(rel), audit_column(prefix, "valid")
+    with _open_shard(location, rel, "resized") as parquet_file:
+        table = _read_columns(parquet_file, [name], uri)
+    if name not in table.column_names:
+        raise ShardProblem(f"resized shard {uri} lacks audit column {name!r}")
+    if table.num_rows != rows:
+        raise ShardProblem(f"resized shard {uri} has {table.num_rows} rows, the sidecar has {rows}")
+    return table.column(name).to_pylist()
 
 
 def _check_meta(
@@ -767,6 +883,7 @@ def _write_overlays(
     table: pa.Table,
     key_column: str,
     sources: _OverlaySources,
+    audits: dict[str, tuple[Location, str]],
     overlay_dir: Location,
     overlay_sample: int,
     options: dict[str, Any],
@@ -774,9 +891,7 @@ def _write_overlays(
 ) -> CheckResult:
     keys = _column_or_nulls(table, key_column)
     crops = {resolution: _column_or_nulls(table, column) for resolution, column in CROP_COLUMNS.items()}
-    # Rows with captions in both crop frames say the most; fall back to any row.
-    both = [r for r in range(table.num_rows) if crops["512"][r] is not None and crops["1024"][r] is not None]
-    rows = sample_rows(both or list(range(table.num_rows)), overlay_sample, rel)
+    rows = sample_rows(_overlay_candidates(rel, table.num_rows, crops, audits), overlay_sample, rel)
 
     def cells(location: Location, column: str, what: str) -> dict[int, Any]:
         with _open_shard(location, rel, what) as parquet_file:
@@ -789,7 +904,7 @@ def _write_overlays(
     images_512 = cells(sources.resized_512, sources.image_column, "resized 512")
     images_1024 = cells(sources.resized_1024, sources.image_column, "resized 1024")
 
-    stem = rel[: -len(SHARD_SUFFIX)] if rel.endswith(SHARD_SUFFIX) else rel
+    stem = shard_stem(rel)
     written = []
     for row in rows:
         png = overlay.overlay_picture(
@@ -807,6 +922,26 @@ def _write_overlays(
     report.stats["overlays"] = written
     message = f"{uri}: {len(written)} overlay picture(s) under {overlay_dir.child(stem)}"
     return CheckResult(OVERLAYS_WRITTEN, True, message, {"overlays": written})
+
+
+def _overlay_candidates(
+    rel: str, rows: int, crops: dict[str, list], audits: dict[str, tuple[Location, str]]
+) -> list[int]:
+    """Rows worth an overlay picture, from the first of these that has any.
+
+    Rows with captions in both crop frames say the most; then rows valid at both resolutions,
+    then at either. Rows whose resize was invalid (the source may be a bomb or garbage) are
+    drawn only when no row has a resized image; even then nothing refused is decoded.
+    """
+    both = [r for r in range(rows) if crops["512"][r] is not None and crops["1024"][r] is not None]
+    if both:
+        return both
+    valid = [_valid_flags(location, rel, prefix, rows) for location, prefix in audits.values()]
+    for tier in (all, any):
+        candidates = [r for r in range(rows) if tier(flags[r] is True for flags in valid)]
+        if candidates:
+            return candidates
+    return list(range(rows))
 
 
 def _safe_name(key: Any) -> str:

@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli import crop_bbox
@@ -98,3 +99,67 @@ def test_through_the_sidecar_ops_dispatcher(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     assert sidecar_ops(["build-crop-bbox", *cli_args(main, out_512, out_1024, tmp_path / "sidecar")]) == 0
     assert "0 failed" in capsys.readouterr().out
+
+
+def replace_image(location, rel: str, row_of, value) -> int:
+    """Set the image of the row `row_of(table)` picks in a resized shard (a damaged copy for a test)."""
+    path = location.child(rel)
+    table = pq.read_table(path)
+    row = row_of(table)
+    images = table.column("image").to_pylist()
+    images[row] = value
+    index = table.schema.get_field_index("image")
+    pq.write_table(table.set_column(index, table.schema.field(index), pa.array(images, table.schema.field(index).type)), path)
+    return row
+
+
+def first_valid(prefix: str):
+    return lambda table: table.column(f"{prefix}_valid").to_pylist().index(True)
+
+
+def test_gate_a_resized_shard_that_fails_the_verifier_fails_only_its_shard(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    shards = main.list_shards()
+    damaged = shards[2]
+    row = replace_image(out_1024.location, damaged, first_valid("1_05mp_process"), None)  # a valid row without image
+    output = tmp_path / "sidecar"
+    assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
+    out = capsys.readouterr().out
+    assert f"{len(shards) - 1} built, 0 skipped, 1 failed" in out
+    failure = next(line for line in out.splitlines() if line.startswith(f"  FAILED {damaged}:"))
+    assert f"CropBboxGateError: resized 1024 shard {out_1024.location.child(damaged)} did not pass the verifier" in failure
+    assert "audit_consistent" in failure and f"row {row}" in failure and "valid row has no image" in failure
+    assert "resized 512 shard" not in failure  # the 512 shard passed
+    written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*.parquet"))
+    assert written == [rel for rel in shards if rel != damaged]
+
+
+def test_gate_decodes_verify_sample_images(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    shards = main.list_shards()
+    damaged = shards[0]
+    replace_image(out_512.location, damaged, first_valid("0_26mp_process"), b"not an image")
+    output = tmp_path / "sidecar"
+    assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED {damaged}: CropBboxGateError: resized 512 shard" in out and "sample_images" in out
+    # With no images decoded the gate checks rows, keys and audit only, and this shard passes.
+    assert run_cli(cli_args(main, out_512, out_1024, output, "--verify-sample", "0", "--skip-existing")) == 0
+    assert "1 built, 2 skipped, 0 failed" in capsys.readouterr().out
+
+
+def test_gate_uses_the_patch_size_and_square_given(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    output = tmp_path / "sidecar"
+    # The sample build is not square: checked as square, every shard's sampled images fail.
+    assert run_cli(cli_args(main, out_512, out_1024, output, "--square")) == 1
+    out = capsys.readouterr().out
+    assert "0 built, 0 skipped, 3 failed" in out and "sample_images" in out
+    assert not output.exists()
+
+
+def test_gate_options_are_checked_first(sample_build, tmp_path, capsys):
+    main, (out_512, out_1024) = sample_build
+    assert run_cli(cli_args(main, out_512, out_1024, tmp_path / "sidecar", "--verify-sample", "-1")) == 2
+    assert "--verify-sample must be at least 0" in capsys.readouterr().err
+    assert not (tmp_path / "sidecar").exists()

@@ -149,3 +149,32 @@ def test_verify_crop_bbox_fails_on_an_out_of_range_box(paths, capsys):
 def test_verify_crop_bbox_refuses_an_overlay_dir_inside_main(paths, capsys):
     assert run(*crop_args(paths, "--overlay-dir", paths["main"] / "overlays")) == 2
     assert "read-only" in capsys.readouterr().err
+
+
+def test_verify_crop_bbox_box_keys_default_to_the_sidecars_settings(paths, capsys):
+    # Rebuild one shard's sidecar with the boxes under a custom key, then break one of them.
+    main = Location.parse(paths["main"])
+    source = pq.read_table(paths["main"] / REL)
+    captions = [None if t is None else t.replace('"bbox"', '"region"') for t in source.column("structured_description").to_pylist()]
+    index = source.schema.get_field_index("structured_description")
+    pq.write_table(source.set_column(index, source.schema.field(index), pa.array(captions, pa.string())), paths["main"] / REL)
+    sidecar = Location.parse(paths["sidecar"])
+    build_crop_bbox_shard(main, REL, Location.parse(paths["512"]), Location.parse(paths["1024"]), sidecar, bbox_keys=["region"])
+    assert run(*crop_args(paths, "--shard", REL)) == 0
+    capsys.readouterr()
+
+    path = paths["sidecar"] / REL
+    table = pq.read_table(path)
+    column = CROP_COLUMNS["512"]
+    crops = table.column(column).to_pylist()
+    row = next(i for i, text in enumerate(crops) if text and '"region": [' in text)
+    caption = json.loads(crops[row])
+    caption["objects"][0]["region"] = [0, 0, 500, 1200]
+    crops[row] = json.dumps(caption)
+    index = table.schema.get_field_index(column)
+    pq.write_table(table.set_column(index, table.schema.field(index), pa.array(crops, pa.string())), path)
+
+    assert run(*crop_args(paths, "--shard", REL)) == 1  # the recorded key "region" is checked
+    assert f"FAILED boxes_valid on {REL}: {path}: 1 bad box(es); row {row}" in capsys.readouterr().out
+    assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "bbox", "--bbox-key", "box_2d")) == 0
+    assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "region", "--caption-frame", "oriented")) == 1

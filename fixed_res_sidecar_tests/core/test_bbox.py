@@ -15,7 +15,11 @@ from fixed_res_sidecar.core.bbox import (
     BoxOutcome,
     CaptionStatus,
     CropFrame,
+    box_slots,
     crop_captions_for_row,
+    is_box_list,
+    is_valid_crop_box,
+    map_box_slots,
     parse_caption,
     raw_box_to_oriented,
     transform_box,
@@ -132,6 +136,108 @@ def test_top_level_list_and_scalars():
     new, box_counts = transform_caption([{"bbox": [0, 700, 1000, 900]}, 3, "x", None], FRAME)
     assert new == [{"bbox": [0, 900, 1000, 1000]}, 3, "x", None]
     assert box_counts == counts(clipped=1)
+
+
+# -- the walk: one rule for the transform, the verifier and the overlays ---------------
+
+
+WALKED = {
+    "objects": [{"label": "cat", "bbox": [1, 2, 3, 4]}, {"name": "dog", "box_2d": None}],
+    "groups": {"pets": {"bbox_2d": [[5, 6, 7, 8], None, "junk"]}, "empty": {"bbox": []}},
+    "note": {"bbox_like": [1, 2, 3, 4]},
+    "odd": [[{"bbox": {"y": 1}}]],
+}
+
+
+def test_box_slots_in_walk_order_with_paths():
+    slots = box_slots(WALKED)
+    assert [(s.index, s.path, s.value, s.key, s.item) for s in slots] == [
+        (0, "objects[0].bbox", [1, 2, 3, 4], "bbox", None),
+        (1, "objects[1].box_2d", None, "box_2d", None),
+        (2, "groups.pets.bbox_2d[0]", [5, 6, 7, 8], "bbox_2d", 0),
+        (3, "groups.pets.bbox_2d[1]", None, "bbox_2d", 1),
+        (4, "groups.pets.bbox_2d[2]", "junk", "bbox_2d", 2),
+        (5, "odd[0][0].bbox", {"y": 1}, "bbox", None),
+    ]
+    assert [s.holder_path for s in slots] == ["objects[0]", "objects[1]", "groups.pets", "groups.pets", "groups.pets", "odd[0][0]"]
+    assert slots[0].holder is WALKED["objects"][0]
+    assert [s.path for s in box_slots([{"bbox": [1, 2, 3, 4]}])] == ["[0].bbox"]
+
+
+def test_map_box_slots_replaces_only_slots_and_copies_the_rest():
+    mapped = map_box_slots(WALKED, ("bbox", "box_2d", "bbox_2d"), lambda value, holder, key, item, parts: (key, item))
+    assert mapped == {
+        "objects": [{"label": "cat", "bbox": ("bbox", None)}, {"name": "dog", "box_2d": ("box_2d", None)}],
+        "groups": {"pets": {"bbox_2d": [("bbox_2d", 0), ("bbox_2d", 1), ("bbox_2d", 2)]}, "empty": {"bbox": []}},
+        "note": {"bbox_like": [1, 2, 3, 4]},
+        "odd": [[{"bbox": ("bbox", None)}]],
+    }
+    assert WALKED["objects"][0]["bbox"] == [1, 2, 3, 4]  # input untouched
+
+
+def test_transform_keeps_the_slots_of_the_walk():
+    # Slot i of a crop caption is slot i of its original, whatever happened to the box.
+    caption = {"objects": [{"bbox": [0, 0, 100, 100]}, {"bbox": None}], "all": {"box_2d": [[0, 0, 1, 1], [900, 0, 1000, 100]]}}
+    new, _ = transform_caption(caption, FRAME)
+    original = [s.path for s in box_slots(caption)]
+    assert [s.path for s in box_slots(new, crop_frame=True)] == original
+
+
+def test_a_list_of_boxes_all_outside_the_crop_is_still_a_list_of_boxes_in_the_crop_frame():
+    # Both boxes lie in the cropped-away left margin (x < 250 of 1000): they become null.
+    caption = {"group": {"box_2d": [[0, 0, 100, 100], [500, 0, 600, 200]]}, "cat": {"bbox": [100, 300, 400, 600]}}
+    new, box_counts = transform_caption(caption, FRAME)
+    assert new == {"group": {"box_2d": [None, None]}, "cat": {"bbox": [100, 100, 400, 700]}}
+    assert box_counts == counts(inside=1, outside=2)
+    slots = box_slots(new, crop_frame=True)
+    assert [(s.index, s.path, s.value) for s in slots] == [
+        (0, "group.box_2d[0]", None),
+        (1, "group.box_2d[1]", None),
+        (2, "cat.bbox", [100, 100, 400, 700]),
+    ]
+    assert [s.index for s in box_slots(caption) if s.path == "cat.bbox"] == [2]  # same index as in the original
+
+
+@pytest.mark.parametrize(
+    "value, in_original, in_crop",
+    [
+        ([[1, 2, 3, 4]], True, True),
+        ([None, [1, 2, 3, 4]], True, True),
+        ([None, None], False, True),  # in an original: one malformed box
+        ([1, 2, 3, 4], False, False),
+        ([], False, False),
+        (None, False, False),
+        ("x", False, False),
+    ],
+)
+def test_is_box_list(value, in_original, in_crop):
+    assert is_box_list(value) is in_original
+    assert is_box_list(value, crop_frame=True) is in_crop
+
+
+def test_an_all_null_list_in_an_original_caption_is_one_malformed_box():
+    new, box_counts = transform_caption({"bbox": [None, None, None, None]}, FRAME)
+    assert new == {"bbox": None} and box_counts == counts(malformed=1)
+
+
+@pytest.mark.parametrize(
+    "value, valid",
+    [
+        ([0, 0, 1000, 1000], True),
+        ([10, 20, 10, 30], True),
+        ([0, 0, 1001, 500], False),
+        ([-1, 0, 10, 10], False),
+        ([20, 0, 10, 10], False),
+        ([0, 30, 10, 10], False),
+        ([0.5, 0, 10, 10], False),  # crop boxes are integers
+        ([True, 0, 10, 10], False),
+        ([0, 0, 10], False),
+        ("0,0,10,10", False),
+        (None, False),
+    ],
+)
+def test_crop_box_validity(value, valid):
+    assert is_valid_crop_box(value) is valid
 
 
 # -- caption parsing ------------------------------------------------------------------

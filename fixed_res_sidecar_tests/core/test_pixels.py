@@ -19,14 +19,16 @@ from PIL import Image, ImageCms, ImageOps, features
 from fixed_res_sidecar.core.audit import ERROR_CODES, AuditRecord
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, near_target_area
 from fixed_res_sidecar.core.pixels import (
-    ORIENTATION_TRANSPOSE,
+    EXCLUDED_INPUT_FORMATS,
     ImageResult,
     PixelOptions,
     draft_factor,
+    input_formats,
     library_versions,
-    oriented_box_to_raw,
+    open_image,
     pipeline_settings,
     process_image,
+    too_many_pixels,
 )
 from fixed_res_sidecar_tests.fixtures.images import (
     GREY,
@@ -128,6 +130,32 @@ def test_library_versions_name_the_libraries_that_shape_pixels():
 
 def test_pillow_bomb_guard_is_replaced_by_the_configured_limit():
     assert Image.MAX_IMAGE_PIXELS is None
+
+
+def eps_bytes() -> bytes:
+    return encode(Image.new("RGB", (32, 32), GREY), "EPS")
+
+
+def test_eps_is_never_opened():
+    data = eps_bytes()
+    assert Image.open(io.BytesIO(data)).format == "EPS"  # Pillow alone would hand it to Ghostscript
+    assert "EPS" in EXCLUDED_INPUT_FORMATS and "EPS" not in input_formats()
+    assert {"JPEG", "PNG", "WEBP", "GIF", "TIFF"} <= set(input_formats())
+    with pytest.raises(Image.UnidentifiedImageError):
+        open_image(data)
+    (result,) = run(data)
+    assert (result.record.valid, result.record.error) == (False, "decode_error")
+
+
+def test_open_image_reads_only_the_header():
+    image = open_image(jpeg_bytes(marker_image(64, 48)))
+    assert (image.format, image.size) == ("JPEG", (64, 48))
+    assert image.tile  # nothing decoded yet (load() empties the tile list)
+
+
+def test_too_many_pixels_is_the_header_limit():
+    assert too_many_pixels(200, 100, 20_000) is None
+    assert too_many_pixels(200, 100, 19_999) == "source has 20000 pixels (200x100), more than max_source_pixels=19999"
 
 
 # ----------------------------------------------------------------------------- options
@@ -410,29 +438,6 @@ def test_broken_exif_never_fails_a_row_that_decodes(make):
     (result,) = run(make(marker_image(640, 480)))
     assert result.record.exif_orientation == 1 and result.record.error_detail is None
     assert_marker_in(assert_valid_output(result, (640, 480), AREA_512), "TL")
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    raw_w=st.integers(1, 9),
-    raw_h=st.integers(1, 9),
-    orientation=st.integers(1, 8),
-    corners=st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)),
-)
-def test_oriented_box_maps_to_the_same_pixels_in_the_raw_frame(raw_w, raw_h, orientation, corners):
-    raw = Image.frombytes("L", (raw_w, raw_h), bytes(range(raw_w * raw_h)))
-    transpose = ORIENTATION_TRANSPOSE.get(orientation)
-    upright = raw.transpose(transpose) if transpose is not None else raw
-    w, h = upright.size
-    xs = sorted(round(c * w) for c in corners[:2])
-    ys = sorted(round(c * h) for c in corners[2:])
-    assume(xs[0] < xs[1] and ys[0] < ys[1])
-    box = (xs[0], ys[0], xs[1], ys[1])
-    raw_box = oriented_box_to_raw(box, orientation, (raw_w, raw_h))
-    from_raw = raw.crop(raw_box)
-    if transpose is not None:
-        from_raw = from_raw.transpose(transpose)
-    assert from_raw.tobytes() == upright.crop(box).tobytes()
 
 
 # ----------------------------------------------------------------------------- colour

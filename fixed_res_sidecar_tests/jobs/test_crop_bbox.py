@@ -14,6 +14,7 @@ from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.jobs.crop_bbox import (
     CROP_COLUMNS,
     META_COLUMN,
+    CropBboxGateError,
     CropBboxInputError,
     build_crop_bbox_shard,
 )
@@ -290,3 +291,56 @@ def test_on_s3(build, s3_bucket):
     assert remote.equals(pq.read_table(local_output.child(rel)))
     again = build_crop_bbox_shard(s3["main"], rel, s3["r512"], s3["r1024"], s3["sidecar"], skip_existing=True)
     assert again.status == "skipped"
+
+
+def test_main_shard_without_a_caption_column_has_every_caption_missing(build):
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    rewrite(main, rel, lambda table: table.drop_columns(["structured_description"]))
+    result = build_crop_bbox_shard(main, rel, r512, r1024, output)
+    assert result.status == "built" and result.caption_column_missing
+    assert result.counts["captions"] == {"ok": 0, "missing": 10, "invalid_json": 0}
+    assert "10 missing (the main shard has no caption column)" in result.status_text
+    sidecar = pq.read_table(output.child(rel))
+    assert sidecar.column_names == COLUMNS and sidecar.num_rows == 10
+    audits = {name: read_audit_records(pq.read_table(location.child(rel)), PREFIXES[name]) for name, location in (("512", r512), ("1024", r1024))}
+    for i, row in enumerate(sidecar.to_pylist()):
+        assert row[CROP_COLUMNS["512"]] is None and row[CROP_COLUMNS["1024"]] is None
+        meta = json.loads(row[META_COLUMN])
+        assert meta["caption_status"] == "missing"
+        for name in ("512", "1024"):  # the resize side of the meta is still filled in
+            assert meta[name]["valid"] == audits[name][i].valid and meta[name]["counts"] is None
+            assert meta[name]["width"] == audits[name][i].width
+
+    # The other shards, with captions, are unaffected.
+    other = main.list_shards()[1]
+    assert not build_crop_bbox_shard(main, other, r512, r1024, output).caption_column_missing
+
+
+def test_a_caption_dataset_without_the_caption_column_is_still_an_error(build, tmp_path):
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    captions = Location.parse(tmp_path / "captions")
+    Path(captions.child(rel)).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pq.read_table(main.child(rel), columns=["image_key"]), captions.child(rel))
+    with pytest.raises(CropBboxInputError, match="caption shard .* lacks column.*'structured_description'"):
+        build_crop_bbox_shard(main, rel, r512, r1024, output, caption_location=captions)
+    assert not output.exists(rel)
+
+
+def test_gate_runs_before_writing_and_not_for_skipped_shards(build):
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    calls = []
+
+    def refuse(shard):
+        calls.append(shard)
+        raise CropBboxGateError(f"resized 512 shard of {shard} did not pass the verifier")
+
+    with pytest.raises(CropBboxGateError, match="did not pass the verifier"):
+        build_crop_bbox_shard(main, rel, r512, r1024, output, gate=refuse)
+    assert calls == [rel] and not output.exists(rel)
+    assert build_crop_bbox_shard(main, rel, r512, r1024, output, gate=calls.append).status == "built"
+    assert calls == [rel, rel]
+    skipped = build_crop_bbox_shard(main, rel, r512, r1024, output, gate=refuse, skip_existing=True)
+    assert skipped.status == "skipped" and calls == [rel, rel]

@@ -2,10 +2,13 @@
 
 import io
 import json
+import struct
+import time
 
 import pytest
-from PIL import Image
+from PIL import EpsImagePlugin, Image
 
+from fixed_res_sidecar.core.pixels import PixelOptions, process_image
 from fixed_res_sidecar.jobs.overlay import (
     BOX_COLOURS,
     BOX_STROKE,
@@ -13,11 +16,11 @@ from fixed_res_sidecar.jobs.overlay import (
     PANEL_HEIGHT,
     TITLE_HEIGHT,
     box_pixels,
-    is_valid_box,
     iter_box_slots,
     overlay_picture,
     overlay_width,
 )
+from fixed_res_sidecar_tests.fixtures.images import png_header_only
 
 GREY = (128, 128, 128)
 
@@ -145,20 +148,64 @@ def test_box_slots_follow_the_caption_walk():
     ]
 
 
-@pytest.mark.parametrize(
-    "value, valid",
-    [
-        ([0, 0, 1000, 1000], True),
-        ([10, 20, 10, 30], True),
-        ([0, 0, 1001, 500], False),
-        ([-1, 0, 10, 10], False),
-        ([20, 0, 10, 10], False),
-        ([0, 30, 10, 10], False),
-        ([0.5, 0, 10, 10], False),  # crop boxes are integers
-        ([True, 0, 10, 10], False),
-        ([0, 0, 10], False),
-        ("0,0,10,10", False),
-    ],
-)
-def test_crop_box_validity(value, valid):
-    assert is_valid_box(value) is valid
+def test_crop_list_whose_boxes_all_fell_outside_keeps_the_colours_aligned():
+    # The original's box_2d list had two boxes; both fell outside the crop, so the crop holds
+    # [null, null]. The cat is slot 2 in every panel and drawn in colour 2 everywhere.
+    cat = (250, 250, 750, 500)
+    original = json.dumps({"group": {"box_2d": [[0, 0, 100, 100], [0, 900, 100, 1000]]}, "cat": {"bbox": list(cat)}})
+    crop = json.dumps({"group": {"box_2d": [None, None]}, "cat": {"bbox": list(cat)}})
+    assert [s.index for s in iter_box_slots(json.loads(crop), crop_frame=True)] == [0, 1, 2]
+    picture = decode(overlay_picture(encoded((400, 400)), original, encoded((400, 400)), crop, encoded((400, 400)), crop))
+    panel = (PANEL_HEIGHT, PANEL_HEIGHT)
+    for panel_left in (0, PANEL_HEIGHT + PANEL_GAP, 2 * (PANEL_HEIGHT + PANEL_GAP)):
+        assert picture.getpixel(left_edge_pixel(cat, panel_left, panel)) == BOX_COLOURS[2]
+
+
+def exif_text_orientation(image: Image.Image, text: bytes) -> bytes:
+    """A PNG whose orientation tag holds ASCII text (e.g. b"6") instead of a number."""
+    entry = struct.pack(">HHI", 0x0112, 2, len(text) + 1) + (text + b"\x00").ljust(4, b"\x00")
+    exif = b"MM\x00*" + struct.pack(">I", 8) + struct.pack(">H", 1) + entry + struct.pack(">I", 0)
+    out = io.BytesIO()
+    image.save(out, "PNG", exif=exif)
+    return out.getvalue()
+
+
+def test_orientation_is_read_exactly_as_the_resize_reads_it():
+    # The tag holds the text "6": the resize ignores it (orientation 1), so the overlay must
+    # show the image as stored, 800x400, not turned to 400x800.
+    data = exif_text_orientation(Image.new("RGB", (800, 400), GREY), b"6")
+    (result,) = process_image(data, [262144], PixelOptions())
+    assert result.record.exif_orientation == 1 and (result.record.src_width, result.record.src_height) == (800, 400)
+    box = (100, 100, 400, 300)  # made on the raw pixels, which are also the displayed ones here
+    picture = decode(overlay_picture(data, caption(box), None, None, None, None, caption_frame="raw"))
+    assert picture.width == overlay_width([768, PANEL_HEIGHT, PANEL_HEIGHT])
+    assert picture.getpixel(left_edge_pixel(box, 0, (768, 384))) == BOX_COLOURS[0]  # not moved through "6"
+
+
+def eps(size=(64, 32)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, GREY).save(out, "EPS")
+    return out.getvalue()
+
+
+def test_refused_formats_are_never_decoded(monkeypatch):
+    def no_ghostscript(self, *args, **kwargs):
+        raise AssertionError("an EPS image was handed to Ghostscript")
+
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "load", no_ghostscript)
+    picture = decode(overlay_picture(eps(), None, eps(), None, eps(), None))
+    # Every panel is a grey square placeholder (a 64x32 image would be 768 wide).
+    assert picture.size == (overlay_width([PANEL_HEIGHT] * 3), TITLE_HEIGHT + PANEL_HEIGHT)
+
+
+def test_headers_over_the_pixel_limit_are_not_decoded():
+    bomb = png_header_only(40000, 40000)  # a few bytes claiming 1.6 gigapixels
+    started = time.perf_counter()
+    picture = decode(overlay_picture(bomb, None, bomb, None, bomb, None))
+    assert time.perf_counter() - started < 1.0
+    assert picture.size == (overlay_width([PANEL_HEIGHT] * 3), TITLE_HEIGHT + PANEL_HEIGHT)
+
+    # The limit is configurable: a 300x150 original is refused under 45,000 pixels.
+    small = encoded((300, 150))
+    assert decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=45_000)).width == overlay_width([768, PANEL_HEIGHT, PANEL_HEIGHT])
+    assert decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999)).width == overlay_width([PANEL_HEIGHT] * 3)

@@ -34,6 +34,7 @@ from fixed_res_sidecar.jobs.verify import (
     dataset_summary,
     default_target_area,
     report_rel,
+    resized_gate_problems,
     sample_rows,
     verify_crop_bbox_shard,
     verify_resized_shard,
@@ -454,3 +455,126 @@ def test_missing_key_column_fails_keys_match_without_raising(build):
     report = build.verify("512")
     assert_failed(report, KEYS_MATCH, build.r512, containing="key column 'image_key' is missing")
     assert report.check(SHARD_COMPLETE).passed and report.check(AUDIT_CONSISTENT).passed
+
+
+def test_empty_image_bytes_count_as_no_image(build):
+    prefix = build.prefixes["512"]
+    row = first_row(build.r512, REL, f"{prefix}_valid", True)
+    images = column(build.r512, REL, "image")
+    images[row] = b""
+    rewrite(build.r512, REL, lambda t: replace_column(t, "image", images))
+    report = build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, build.r512, containing="valid row has no image")
+    assert row not in report.check(SAMPLE_IMAGES).metadata["sampled_rows"]
+
+
+def test_image_column_of_the_wrong_type_fails_without_raising(build):
+    rewrite(build.r512, REL, lambda t: t.set_column(1, "image", pa.array(range(t.num_rows), pa.int64())))
+    report = build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, build.r512, containing="has type int64, not encoded bytes")
+    assert_failed(report, SAMPLE_IMAGES, build.r512, containing="has type int64")
+    assert report.check(KEYS_MATCH).passed
+
+
+def test_only_the_sampled_images_leave_arrow(build, monkeypatch):
+    # Presence is computed in Arrow; Python sees the bytes of the sampled rows only.
+    from fixed_res_sidecar.jobs import verify
+
+    copied = []
+    real = verify.image_bytes_array
+
+    class Counting:
+        def __init__(self, array):
+            self.array = array
+
+        def take(self, indices):
+            copied.extend(indices)
+            return self.array.take(indices)
+
+    monkeypatch.setattr(verify, "image_bytes_array", lambda cells: Counting(real(cells)))
+    report = build.verify("1024", sample=2)
+    assert report.passed and len(copied) == 2 == report.check(SAMPLE_IMAGES).metadata["sampled"]
+
+
+# -- crop-bbox: settings, walk, overlays --------------------------------------------------
+
+
+def use_box_key(location: Location, rel: str, key: str) -> None:
+    """Rename every "bbox" key of the captions of `location/rel` (a main shard) to `key`."""
+    captions = column(location, rel, "structured_description")
+    renamed = [None if text is None else text.replace('"bbox"', f'"{key}"') for text in captions]
+    rewrite(location, rel, lambda t: replace_column(t, "structured_description", renamed))
+
+
+def test_crop_checks_use_the_box_keys_and_frame_the_sidecar_recorded(build):
+    use_box_key(build.main, REL, "region")
+    build_crop_bbox_shard(build.main, REL, build.r512, build.r1024, build.sidecar, bbox_keys=("region",), caption_frame="raw")
+    report = build.verify_crop()
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.stats["bbox_keys"] == ["region"] and report.stats["caption_frame"] == "raw"
+    assert report.check(BOXES_VALID).metadata["bbox_keys"] == ["region"]
+
+    # A bad box under the recorded key is found; explicit keys override the recorded ones.
+    crops = column(build.sidecar, REL, CROP_COLUMNS["512"])
+    row = next(i for i, text in enumerate(crops) if text and '"region": [' in text)
+    caption = json.loads(crops[row])
+    caption["objects"][0]["region"] = [0, 0, 1001, 500]
+    crops[row] = json.dumps(caption)
+    rewrite(build.sidecar, REL, lambda t: replace_column(t, CROP_COLUMNS["512"], crops))  # keeps the footer settings
+    message = assert_failed(build.verify_crop(), BOXES_VALID, build.sidecar, containing=f"row {row}")
+    assert "objects[0].region = [0, 0, 1001, 500]" in message
+    explicit = build.verify_crop(bbox_keys=("box_2d",), caption_frame="oriented")
+    assert explicit.check(BOXES_VALID).passed
+    assert explicit.stats["bbox_keys"] == ["box_2d"] and explicit.stats["caption_frame"] == "oriented"
+
+
+def test_sidecar_without_recorded_settings_uses_the_defaults(build):
+    rewrite(build.sidecar, REL, lambda t: t.replace_schema_metadata(None))  # no footer settings
+    report = build.verify_crop()
+    assert report.passed and report.stats["bbox_keys"] == ["bbox", "box_2d", "bbox_2d"]
+    assert report.stats["caption_frame"] == "oriented"
+
+
+def test_a_box_list_wholly_outside_the_crop_is_not_a_bad_box(build, tmp_path):
+    # A landscape row: its crop cuts a margin off the left, where both boxes of a list lie.
+    prefix = build.prefixes["512"]
+    x0 = column(build.r512, REL, f"{prefix}_crop_x0")
+    widths = column(build.r512, REL, f"{prefix}_src_width")
+    row = next(i for i, (x, w) in enumerate(zip(x0, widths)) if x is not None and x / w > 0.01)
+    captions = column(build.main, REL, "structured_description")
+    captions[row] = json.dumps({"group": {"box_2d": [[0, 0, 100, 2], [500, 0, 600, 3]]}, "cat": {"bbox": [400, 400, 600, 600]}})
+    rewrite(build.main, REL, lambda t: replace_column(t, "structured_description", captions))
+    build_crop_bbox_shard(build.main, REL, build.r512, build.r1024, build.sidecar)
+    crop = json.loads(column(build.sidecar, REL, CROP_COLUMNS["512"])[row])
+    assert crop["group"]["box_2d"] == [None, None]
+    report = build.verify_crop(overlay_dir=Location.parse(tmp_path / "overlays"))
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.check(BOXES_VALID).metadata["boxes"]["512_null"] >= 2
+
+
+def test_overlays_are_not_drawn_for_rows_whose_resize_was_invalid(build, tmp_path):
+    # Without captions no row has crop boxes: overlays fall back to rows valid at both resolutions.
+    rewrite(build.main, REL, lambda t: t.drop_columns(["structured_description"]))
+    build_crop_bbox_shard(build.main, REL, build.r512, build.r1024, build.sidecar)
+    report = build.verify_crop(overlay_dir=Location.parse(tmp_path / "overlays"), overlay_sample=100)
+    assert report.passed, [c.message for c in report.failed_checks]
+    drawn = sorted(int(Path(path).name.split("-")[0]) for path in report.stats["overlays"])
+    valid = [
+        i
+        for i, (a, b) in enumerate(zip(column(build.r512, REL, "0_26mp_process_valid"), column(build.r1024, REL, "1_05mp_process_valid")))
+        if a and b
+    ]
+    assert drawn == valid and len(valid) < 10
+
+
+def test_resized_gate_problems_name_the_shard_and_failed_checks(build):
+    resized = {"512": (build.r512, build.prefixes["512"]), "1024": (build.r1024, build.prefixes["1024"])}
+    assert resized_gate_problems(build.main, REL, resized, sample=2) == []
+    prefix = build.prefixes["1024"]
+    row = first_row(build.r1024, REL, f"{prefix}_valid", True)
+    images = column(build.r1024, REL, "image")
+    images[row] = None
+    rewrite(build.r1024, REL, lambda t: replace_column(t, "image", images))
+    (problem,) = resized_gate_problems(build.main, REL, resized, sample=2)
+    assert problem.startswith(f"resized 1024 shard {build.r1024.child(REL)} did not pass the verifier: audit_consistent (")
+    assert "valid row has no image" in problem

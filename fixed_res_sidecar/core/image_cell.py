@@ -1,0 +1,48 @@
+"""Image cells of a Parquet image column: plain binary, or the Hugging Face `{bytes, path}` struct."""
+
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+BYTES_FIELD = "bytes"
+
+
+def image_bytes(cell: Any) -> bytes | None:
+    """The encoded bytes of one image cell (as read with `as_py()`); None when there are none.
+
+    A struct cell gives its `bytes` field. Empty bytes are returned as they are: callers decide
+    whether an empty image is missing (the verifier) or a row error (the resize).
+    """
+    if isinstance(cell, dict):
+        return cell.get(BYTES_FIELD)
+    return cell
+
+
+def is_image_type(dtype: pa.DataType) -> bool:
+    """Whether an Arrow type can hold images: binary, or a struct with a `bytes` field."""
+    return _is_binary(dtype) or (pa.types.is_struct(dtype) and dtype.get_field_index(BYTES_FIELD) >= 0)
+
+
+def image_bytes_array(array: pa.Array) -> pa.Array:
+    """The binary array of an image column chunk: itself, or the struct's `bytes` child with the
+    struct's own nulls applied (a null struct has no bytes)."""
+    if pa.types.is_struct(array.type):
+        if isinstance(array, pa.ChunkedArray):
+            return pa.chunked_array([image_bytes_array(chunk) for chunk in array.chunks], _bytes_type(array.type))
+        return pc.struct_field(array, [array.type.get_field_index(BYTES_FIELD)])
+    return array
+
+
+def has_image(array: pa.Array) -> pa.Array:
+    """Per row, whether an image column holds non-empty bytes; never null. Copies no image."""
+    data = image_bytes_array(array)
+    return pc.fill_null(pc.greater(pc.binary_length(data), 0), False)
+
+
+def _bytes_type(struct_type: pa.DataType) -> pa.DataType:
+    return struct_type.field(struct_type.get_field_index(BYTES_FIELD)).type
+
+
+def _is_binary(dtype: pa.DataType) -> bool:
+    return pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype) or pa.types.is_fixed_size_binary(dtype)
