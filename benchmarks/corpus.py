@@ -6,8 +6,7 @@ Two corpora:
   long sides 300 to 6000 px with most pixels in 8-30 MP photos, split into a few shards
   so that the benchmark can interleave its pipelines shard by shard;
 * the memory corpus (`ensure_memory_corpus`): one shard of about 2 GB of large JPEGs
-  (a few distinct images repeated), in row groups the size Hugging Face `datasets`
-  writes for image columns (100 rows).
+  (a few distinct images repeated), in row groups of ~230 MB (see MEMORY_ROW_GROUP_ROWS).
 
 Content ("textured" style, the default): a sky/ground gradient, flat-coloured shapes with
 dark outlines (edges at many scales), a 1/f-like multi-scale texture on top and a little
@@ -47,6 +46,11 @@ KEY_COLUMN = "image_key"
 IMAGE_COLUMN = "image"
 ROW_GROUP_ROWS = 16  # comparison corpus
 HF_IMAGE_ROW_GROUP_ROWS = 100  # what Hugging Face `datasets` writes for image columns
+# Memory corpus default: 32 rows of ~7 MB JPEGs = ~230 MB per row group, the bytes of a
+# Hugging Face row group (100 rows) of typical 2-3 MB photos. pyarrow writes each such row
+# group's image column as ONE data page, which any reader must hold whole (and briefly
+# twice), so the row group's byte size, not its row count, sets the memory floor.
+MEMORY_ROW_GROUP_ROWS = 32
 
 # Displayed frame -> stored (raw) frame, inverse of the EXIF orientation's transpose.
 RAW_FROM_DISPLAYED = {
@@ -295,7 +299,7 @@ def ensure_memory_corpus(
     target_bytes: int = 2 * 10**9,
     *,
     distinct: int = 8,
-    row_group_rows: int = HF_IMAGE_ROW_GROUP_ROWS,
+    row_group_rows: int = MEMORY_ROW_GROUP_ROWS,
     seed: int = 0,
     specs: list[ImageSpec] | None = None,
     style: str = "textured",

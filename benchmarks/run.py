@@ -27,6 +27,7 @@ its peak RSS is that process's ru_maxrss. Figures are per image and per core.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import json
@@ -39,24 +40,23 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import corpus as corpus_mod  # noqa: E402  (benchmarks/corpus.py)
-import numpy as np  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-from PIL import Image, ImageOps, features  # noqa: E402
+import corpus as corpus_mod
+import numpy as np
+import pyarrow.parquet as pq
+from PIL import Image, ImageOps, features
 
-from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, target_size  # noqa: E402
-from fixed_res_sidecar.core.pixels import PixelOptions  # noqa: E402
+from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, target_size
+from fixed_res_sidecar.core.pixels import PixelOptions
 
 AREAS = (AREA_512, AREA_1024)
-AREA_NAMES = {AREA_512: "512", AREA_1024: "1024"}
 AUDIT_PREFIXES = {AREA_512: "0_26mp_process", AREA_1024: "1_05mp_process"}
 PATCH = 32
 QUALITY = 95
@@ -203,7 +203,7 @@ class _RssSampler:
         while not self._stop.wait(self.period):
             self.samples.append((time.perf_counter() - self._start, _rss_mb()))
 
-    def __enter__(self) -> "_RssSampler":
+    def __enter__(self) -> _RssSampler:
         self._thread.start()
         return self
 
@@ -241,7 +241,7 @@ class _Worker:
 
     def run(self, shard: str, sample_rss: bool = False) -> dict:
         cpu_call, wall_call = _cpu(), time.perf_counter()
-        with _RssSampler() if sample_rss else _nullcontext() as sampler:
+        with _RssSampler() if sample_rss else contextlib.nullcontext() as sampler:
             result = getattr(self, f"_run_{self.p.kind}")(shard)
         result["call_wall"] = time.perf_counter() - wall_call
         result["call_cpu"] = _cpu() - cpu_call
@@ -309,14 +309,6 @@ class _Worker:
             valid.append(sum(table.column(0).to_pylist()))
             totals.append(sum(b or 0 for b in table.column(1).to_pylist()))
         return {"wall": wall, "cpu": cpu, "images": result.rows, "valid": min(valid), "bytes": totals}
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def worker_main(spec: str) -> None:
@@ -759,7 +751,9 @@ def print_webp_methods(report: dict) -> None:
     print("| method | encode CPU ms/img | vs m4 | 512 bytes | vs m4 | 1024 bytes | vs m4 | PSNR 512 dB | PSNR 1024 dB | min PSNR 512 / 1024 | rule |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, x in rows.items():
-        rel = (lambda key: f"{x[key] / ref[key]:.2f}x") if ref else (lambda key: "")
+        def rel(key: str, x: dict = x) -> str:
+            return f"{x[key] / ref[key]:.2f}x" if ref else ""
+
         verdict = "; ".join(report["choice"].get("verdicts", {}).get(m, []))
         print(
             f"| {m} | {x['encode_cpu_ms_per_image']:.1f} | {rel('encode_cpu_ms_per_image')} | {x['bytes_512']:,.0f} | "
@@ -775,7 +769,9 @@ def print_webp_methods(report: dict) -> None:
 # ============================================================================ memory
 
 
-def run_memory(workdir: Path, gigabytes: float, threads: int, *, distinct: int = 8, row_group_rows: int = 100, specs=None) -> dict:
+def run_memory(
+    workdir: Path, gigabytes: float, threads: int, *, distinct: int = 8, row_group_rows: int = corpus_mod.MEMORY_ROW_GROUP_ROWS, specs=None
+) -> dict:
     distinct = len(specs) if specs is not None else distinct
     corpus = corpus_mod.ensure_memory_corpus(
         workdir, int(gigabytes * 1e9), distinct=distinct, row_group_rows=row_group_rows, specs=specs, log=log
@@ -828,7 +824,7 @@ def print_memory(report: dict) -> None:
 
 
 def run_cprofile(workdir: Path, images: int, shards: int, method: int, *, seed=0, profile="photo", style="textured", top=30) -> str:
-    """cProfile of the fused build (threads=1) over the first shard, in this process."""
+    """cProfile (CPU time) of the fused build (threads=1) over the first shard, in this process."""
     import cProfile
     import pstats
 
@@ -838,7 +834,7 @@ def run_cprofile(workdir: Path, images: int, shards: int, method: int, *, seed=0
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
     out = workdir / "out" / "cprofile"
     outputs = [ResizedOutput(Location.parse(out / AUDIT_PREFIXES[a]), a, AUDIT_PREFIXES[a]) for a in AREAS]
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU time: robust to other load (threads=1)
     profiler.enable()
     build_resized_shard(
         Location.parse(corpus.main), corpus.shards[0], outputs, key_column=corpus_mod.KEY_COLUMN,
@@ -870,7 +866,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory", action="store_true", help="peak RSS of a fused build of one ~2 GB shard")
     parser.add_argument("--memory-gb", type=float, default=2.0)
     parser.add_argument("--memory-threads", type=int, default=4)
-    parser.add_argument("--memory-row-group-rows", type=int, default=corpus_mod.HF_IMAGE_ROW_GROUP_ROWS)
+    parser.add_argument(
+        "--memory-row-group-rows",
+        type=int,
+        default=corpus_mod.MEMORY_ROW_GROUP_ROWS,
+        help="rows per row group of the memory shard (default 32, ~230 MB; 100 = Hugging Face's layout, ~720 MB here)",
+    )
     parser.add_argument("--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser.parse_args(argv)

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.audit import AuditRecord, ErrorCode, audit_arrays, audit_columns
+from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type
 from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, pipeline_settings, process_image
 from fixed_res_sidecar.io.locations import Location, check_output_location
 from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date
@@ -123,13 +124,9 @@ def _open_main_shard(main: Location, rel: str, key_column: str, image_column: st
     if missing:
         raise ShardError(f"{main.child(rel)}: missing column(s) {missing}; it has {names}")
     image_type = source.schema_arrow.field(image_column).type
-    if not (_is_binary(image_type) or (pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0)):
+    if not is_image_type(image_type):
         raise ShardError(f"{main.child(rel)}: image column {image_column!r} has type {image_type}, expected bytes")
     return source
-
-
-def _is_binary(dtype: pa.DataType) -> bool:
-    return pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype)
 
 
 def _build(source, main, rel, todo, settings, summaries, key_column, image_column, options, threads, on_rows):
@@ -175,7 +172,7 @@ def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> It
     for batch in source.iter_batches(batch_size=OUTPUT_ROW_GROUP_ROWS, columns=[key_column, image_column]):
         for key, cell in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
             if isinstance(cell, dict):
-                data = cell.pop("bytes", None)
+                data = cell.pop(BYTES_FIELD, None)
                 yield key, data, cell
             else:
                 yield key, cell, None
@@ -234,8 +231,8 @@ def _image_array(side_fields: list[Any], encoded: list[bytes | None], dtype: pa.
     values = []
     for side, data in zip(side_fields, encoded):
         if side is None:
-            values.append(None if data is None else {"bytes": data})
+            values.append(None if data is None else {BYTES_FIELD: data})
         else:
-            values.append({**side, "bytes": data})
+            values.append({**side, BYTES_FIELD: data})
     return pa.array(values, type=dtype)
 
