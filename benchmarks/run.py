@@ -4,6 +4,7 @@
     python benchmarks/run.py [--images N] [--workdir D] [--threads 2] [--json out.json]
     python benchmarks/run.py --webp-methods      # time / bytes / PSNR per WebP method 0..6
     python benchmarks/run.py --memory            # peak RSS of one ~2 GB shard with 4 threads
+    python benchmarks/run.py --cprofile          # CPU profile of the fused build of one shard
 
 The comparison (the default mode) generates a photo-like corpus once (cached in the
 workdir, see corpus.py) and measures in one run, interleaved shard by shard so that the

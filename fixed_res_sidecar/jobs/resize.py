@@ -24,6 +24,7 @@ from fixed_res_sidecar.io.locations import Location, check_output_location
 from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
+SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
 # Bump when a code change alters output bytes or columns: skip-existing then rebuilds. Not the
 # package version, which would rebuild billions of images for unrelated releases.
 RESIZE_OUTPUT_VERSION = 1
@@ -166,16 +167,23 @@ def _build(source, main, rel, todo, settings, summaries, key_column, image_colum
 def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[Any, Any, Any]]:
     """(key, image bytes, struct side fields) per row, one row group in memory at a time.
 
-    Side fields are the struct's other fields ({bytes, path} layout: the path), or None for a
-    plain bytes column or a null struct.
+    Reading row group by row group keeps pyarrow's pre-buffering (combined S3 reads) to one
+    group; small batches keep few source images as Python bytes at once. Side fields are the
+    struct's other fields ({bytes, path} layout: the path), or None for a plain bytes column
+    or a null struct.
     """
-    for batch in source.iter_batches(batch_size=OUTPUT_ROW_GROUP_ROWS, columns=[key_column, image_column]):
-        for key, cell in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
-            if isinstance(cell, dict):
-                data = cell.pop(BYTES_FIELD, None)
-                yield key, data, cell
-            else:
-                yield key, cell, None
+    columns = [key_column, image_column]
+    for row_group in range(source.metadata.num_row_groups):
+        batches = source.iter_batches(
+            batch_size=SOURCE_BATCH_ROWS, row_groups=[row_group], columns=columns, use_threads=False
+        )
+        for batch in batches:
+            for key, cell in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                if isinstance(cell, dict):
+                    data = cell.pop(BYTES_FIELD, None)
+                    yield key, data, cell
+                else:
+                    yield key, cell, None
 
 
 def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tuple[Any, Any]]:
