@@ -150,18 +150,6 @@ def check_results(report: verify.ShardReport, asset_key: dg.AssetKey, expected: 
 # -- the dataset check -----------------------------------------------------------------------
 
 
-def list_dataset(dataset: DatasetConfig) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-    """One listing of each prefix: (main rel -> bytes, output name -> (rel -> bytes)).
-
-    The same listings as `verify.dataset_summary` (what `aws s3 ls --recursive` shows); the main
-    listing is also needed to find the shards that cannot be partition keys, so it is taken
-    here once rather than once per use (at 100,000 shards a listing is about 100 LIST calls).
-    """
-    main_sizes = dataset.main.shard_sizes()
-    outputs = {name: dataset.output(output).shard_sizes() for name, output in DATASET_CHECK_OUTPUTS.items()}
-    return main_sizes, outputs
-
-
 def first(items: Sequence[str], limit: int = LISTED_MISSING) -> list[str]:
     return list(items[:limit])
 
@@ -173,29 +161,16 @@ def summarize_dataset(dataset: DatasetConfig) -> tuple[bool, dict[str, Any], str
     check runs hourly per dataset: full lists of 100,000 shards would be megabytes of event
     log each time). `sidecar-ops verify-crop-bbox --report FILE` writes the full lists.
     """
-    main_sizes, outputs = list_dataset(dataset)
-    main_shards = len(main_sizes)
-    metadata: dict[str, Any] = {
-        "main_shards": main_shards,
-        "main_bytes": sum(main_sizes.values()),
-    }
-    summary: dict[str, Any] = {
-        "main": {"location": dataset.main.uri, "shards": main_shards, "total_bytes": metadata["main_bytes"]},
-        "outputs": {},
-        "listed_at_most": LISTED_MISSING,
-    }
+    main_sizes = dataset.main.shard_sizes()  # listed once: also needed for unusable keys below
+    locations = {name: dataset.output(output) for name, output in DATASET_CHECK_OUTPUTS.items()}
+    full = verify.dataset_summary(dataset.main, locations, main_sizes=main_sizes)
+    main_shards = full["main"]["shards"]
+    metadata: dict[str, Any] = {"main_shards": main_shards, "main_bytes": full["main"]["total_bytes"]}
+    summary: dict[str, Any] = {"main": full["main"], "outputs": {}, "listed_at_most": LISTED_MISSING}
     problems = []
-    for name, sizes in outputs.items():
-        missing = [rel for rel in main_sizes if rel not in sizes]  # sorted: listings are sorted
-        extra = [rel for rel in sizes if rel not in main_sizes]
-        part = {
-            "location": dataset.output(DATASET_CHECK_OUTPUTS[name]).uri,
-            "shards": len(sizes),
-            "total_bytes": sum(sizes.values()),
-            "missing": len(missing),
-            "extra": len(extra),
-        }
-        summary["outputs"][name] = part
+    for name, part in full["outputs"].items():
+        missing, extra = part["missing"], part["extra"]
+        summary["outputs"][name] = {**part, "missing": len(missing), "extra": len(extra)}
         metadata[f"{name}_shards"] = part["shards"]
         metadata[f"{name}_bytes"] = part["total_bytes"]
         metadata[f"{name}_missing"] = len(missing)

@@ -542,11 +542,11 @@ def _check_audit(
     def problem(row: int, text: str) -> None:
         problems.append({"row": row, "key": keys[row], "problem": text})
 
-    for row, (is_valid, code, has_image) in enumerate(zip(valid, errors, shard.has_image)):
+    for row, (is_valid, code, row_has_image) in enumerate(zip(valid, errors, shard.has_image)):
         if is_valid is None:
             problem(row, "valid flag is null")
         elif is_valid:
-            if not has_image:
+            if not row_has_image:
                 problem(row, "valid row has no image")
             if code is not None:
                 problem(row, f"valid row has error code {code!r}")
@@ -556,7 +556,7 @@ def _check_audit(
                 problem(row, "invalid row has no error code")
             elif code not in ERROR_CODES:
                 problem(row, f"invalid row has unknown error code {code!r}")
-            if has_image:
+            if row_has_image:
                 problem(row, "invalid row has an image")
             if len(examples) < MAX_EXAMPLES:
                 examples.append({"row": row, "key": keys[row], "error": code, "detail": details[row]})
@@ -953,12 +953,15 @@ def _safe_name(key: Any) -> str:
 # -- dataset summary ---------------------------------------------------------------
 
 
-def dataset_summary(main: Location, outputs: dict[str, Location]) -> dict[str, Any]:
+def dataset_summary(
+    main: Location, outputs: dict[str, Location], main_sizes: dict[str, int] | None = None
+) -> dict[str, Any]:
     """Shard counts and total bytes of main and each output, and the shards each output lacks.
 
-    `outputs` maps a name ("512", "1024", "sidecar", ...) to its location.
+    `outputs` maps a name ("512", "1024", "sidecar", ...) to its location. `main_sizes` is a
+    listing of main already taken (at 100,000 shards a listing is about 100 LIST calls).
     """
-    main_sizes = main.shard_sizes()
+    main_sizes = main.shard_sizes() if main_sizes is None else main_sizes
     summary: dict[str, Any] = {
         "main": {"location": main.uri, "shards": len(main_sizes), "total_bytes": sum(main_sizes.values())},
         "outputs": {},
