@@ -11,8 +11,14 @@ workdir, see corpus.py) and measures in one run, interleaved shard by shard so t
 noise of a shared machine falls on every pipeline alike:
 
 * naive: per image open, ImageOps.exif_transpose, convert RGB, ImageOps.fit(LANCZOS) to
-  each target size, WebP q95 method 4. It runs on the installed PIL, which in this
-  project is pillow-simd, so this compares algorithmic pipelines on one library.
+  each target size, WebP q95 method 4, on plain Pillow 13 as issue 6 defines it: the
+  worker (naive_worker.py, which imports only PIL, pyarrow and the stdlib) runs on the
+  python of a virtual environment that this script creates once in the workdir
+  (naive-pillow-venv: `python -m venv`, no system site packages, then
+  `pip install pillow==13.0.0 pyarrow==<installed version>`). `--naive-on-installed-pil`
+  runs it on the project's own PIL (pillow-simd) instead. Pillow 13's wheels bundle their
+  own libwebp and libjpeg-turbo, which may differ from pillow-simd's; the report names the
+  libraries of every pipeline and splits the naive time into decode / resize / encode.
 * floor: the cheapest decode (JPEG draft to the scale the 1024 output needs) plus the
   WebP encode of both outputs at the project's settings; only those two are timed
   (the pixels given to the encoder are made untimed, so the encoder sees the same
@@ -21,8 +27,8 @@ noise of a shared machine falls on every pipeline alike:
   Parquet out, both outputs from one decode, at method 4 and at the project's default
   method, with threads=1 and with `--threads` threads.
 
-Every pipeline runs in its own long-lived worker process (this file with --worker);
-its peak RSS is that process's ru_maxrss. Figures are per image and per core.
+Every pipeline runs in its own long-lived worker process (this file with --worker, or
+naive_worker.py for the naive pipeline); its peak RSS is that process's ru_maxrss. Figures are per image and per core.
 """
 
 from __future__ import annotations
@@ -50,11 +56,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus as corpus_mod
+import naive_worker
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image, ImageOps, features
+from PIL import Image, features
 
-from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, target_size
+from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 
 AREAS = (AREA_512, AREA_1024)
@@ -63,6 +70,10 @@ PATCH = 32
 QUALITY = 95
 DRAFT_FACTORS = (8, 4, 2)
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "fixed-res-sidecar-bench"
+# The naive baseline's library (issue 6: "Pillow 13"), installed in its own virtual environment.
+NAIVE_PILLOW_VERSION = "13.0.0"
+NAIVE_VENV_NAME = "naive-pillow-venv"
+GEOMETRY_PATH = Path(__file__).resolve().parents[1] / "fixed_res_sidecar" / "core" / "geometry.py"
 METHODS = tuple(range(7))
 # Targets of issue 6.
 TARGET_VS_NAIVE = 1.6  # fused (method 4, 1 thread) at least this many times faster than naive
@@ -91,20 +102,6 @@ def log(*parts: Any) -> None:
 
 
 # ============================================================================ per-image pipelines
-
-
-def naive_one(data: bytes, method: int) -> list[int]:
-    """The naive pipeline of issue 6; returns the encoded size per area."""
-    image = Image.open(io.BytesIO(data))
-    image = ImageOps.exif_transpose(image)
-    image = image.convert("RGB")
-    sizes = []
-    for area in AREAS:
-        small = ImageOps.fit(image, target_size(image.width, image.height, area, PATCH), Image.Resampling.LANCZOS)
-        out = io.BytesIO()
-        small.save(out, "WEBP", quality=QUALITY, method=method)
-        sizes.append(out.tell())
-    return sizes
 
 
 def _orientation(image: Image.Image) -> int:
@@ -229,9 +226,7 @@ class _Worker:
     def warmup(self, shard: str) -> dict:
         """Load the libraries on one small generated image (never a shard: that would count in the peak RSS)."""
         for data in (corpus_mod.encode_spec(corpus_mod.ImageSpec(0, 800, 600, "JPEG", 6, 90, 0)),):
-            if self.p.kind == "naive":
-                naive_one(data, self.p.method)
-            elif self.p.kind == "floor":
+            if self.p.kind == "floor":
                 image, orientation, plans = cheapest_decode(data)
                 [encode_webp(o, self.p.method) for o in resized_outputs(image, orientation, plans)]
             else:
@@ -251,40 +246,28 @@ class _Worker:
             result["rss_timeline"] = sampler.samples
         return result
 
-    def _run_naive(self, shard: str) -> dict:
-        """Reading the shard is not timed (the naive pipeline gets its bytes for free)."""
-        totals = [0, 0]
-        wall = cpu = 0.0
-        n = 0
-        for images in _row_groups(self.main, shard):
-            c, w = _cpu(), time.perf_counter()
-            for data in images:
-                for i, size in enumerate(naive_one(data, self.p.method)):
-                    totals[i] += size
-            wall += time.perf_counter() - w
-            cpu += _cpu() - c
-            n += len(images)
-        return {"wall": wall, "cpu": cpu, "images": n, "valid": n, "bytes": totals}
-
     def _run_floor(self, shard: str) -> dict:
         totals = [0, 0]
-        wall = cpu = 0.0
+        wall, cpu = {"decode": 0.0, "encode": 0.0}, {"decode": 0.0, "encode": 0.0}
         n = 0
         for data in (d for images in _row_groups(self.main, shard) for d in images):
             n += 1
             c, w = _cpu(), time.perf_counter()
             image, orientation, plans = cheapest_decode(data)
-            wall += time.perf_counter() - w
-            cpu += _cpu() - c
+            wall["decode"] += time.perf_counter() - w
+            cpu["decode"] += _cpu() - c
             outputs = resized_outputs(image, orientation, plans)  # untimed: not part of the floor
             del image
             c, w = _cpu(), time.perf_counter()
             encoded = [encode_webp(o, self.p.method) for o in outputs]
-            wall += time.perf_counter() - w
-            cpu += _cpu() - c
+            wall["encode"] += time.perf_counter() - w
+            cpu["encode"] += _cpu() - c
             for i, e in enumerate(encoded):
                 totals[i] += len(e)
-        return {"wall": wall, "cpu": cpu, "images": n, "valid": n, "bytes": totals}
+        return {
+            "wall": sum(wall.values()), "cpu": sum(cpu.values()), "phase_wall": wall, "phase_cpu": cpu,
+            "images": n, "valid": n, "bytes": totals,
+        }
 
     def _run_fused(self, shard: str) -> dict:
         from fixed_res_sidecar.io.locations import Location
@@ -319,7 +302,7 @@ def worker_main(spec: str) -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     worker = _Worker(Pipeline(**params["pipeline"]), Path(params["main"]), Path(params["out"]))
-    protocol.write(json.dumps({"ready": True, "rss_mb": _rss_mb()}) + "\n")
+    protocol.write(json.dumps({"ready": True, "rss_mb": _rss_mb(), "pil": naive_worker.pil_info()}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         op = request["op"]
@@ -340,19 +323,37 @@ def worker_main(spec: str) -> None:
 
 
 class WorkerProcess:
-    """Parent side of one worker: a subprocess running one pipeline."""
+    """Parent side of one worker: a subprocess running one pipeline.
 
-    def __init__(self, pipeline: Pipeline, main: Path, out: Path) -> None:
+    Naive pipelines run naive_worker.py on `naive` (a NaiveRuntime: by default the python of
+    the Pillow 13 virtual environment); the others run this file with --worker, here.
+    """
+
+    def __init__(self, pipeline: Pipeline, main: Path, out: Path, naive: NaiveRuntime | None = None) -> None:
         self.pipeline = pipeline
-        spec = json.dumps({"pipeline": dataclasses.asdict(pipeline), "main": str(main), "out": str(out)})
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", spec],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
+        env = None
+        if pipeline.kind == "naive":
+            naive = naive or NaiveRuntime.installed()
+            spec = json.dumps(
+                {
+                    "main": str(main),
+                    "image_column": corpus_mod.IMAGE_COLUMN,
+                    "areas": list(AREAS),
+                    "patch": PATCH,
+                    "quality": QUALITY,
+                    "method": pipeline.method,
+                    "geometry_path": str(GEOMETRY_PATH),
+                }
+            )
+            command = [*naive.command, str(Path(naive_worker.__file__).resolve()), spec]
+            env = naive.env()
+        else:
+            spec = json.dumps({"pipeline": dataclasses.asdict(pipeline), "main": str(main), "out": str(out)})
+            command = [sys.executable, str(Path(__file__).resolve()), "--worker", spec]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.ready = self._reply()
+        if pipeline.kind == "naive" and naive.kind == "venv":
+            naive.check(self.ready["pil"])  # the worker really runs on the venv's Pillow 13, not pillow-simd
         self.child_maxrss_mb: float | None = None
 
     def _reply(self) -> dict:
@@ -383,6 +384,120 @@ class WorkerProcess:
         self.child_maxrss_mb = usage.ru_maxrss / 1024
 
 
+# ============================================================================ naive baseline's Pillow
+
+
+class NaiveVenvError(RuntimeError):
+    pass
+
+
+@dataclass
+class NaiveRuntime:
+    """The python that runs the naive worker: the Pillow 13 venv's, or this one (installed PIL)."""
+
+    kind: str  # "venv" | "installed"
+    python: str
+    venv: str | None = None
+    created: bool = False
+    info: dict | None = None
+
+    @classmethod
+    def installed(cls) -> NaiveRuntime:
+        return cls("installed", sys.executable, info=naive_worker.pil_info())
+
+    @property
+    def command(self) -> list[str]:
+        # -I (isolated): no PYTHONPATH, user site or script directory, so only the venv's own
+        # site-packages (Pillow 13, pyarrow) can be imported.
+        return [self.python, "-I"] if self.kind == "venv" else [self.python]
+
+    def env(self) -> dict | None:
+        if self.kind != "venv":
+            return None
+        return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+
+    def check(self, info: dict) -> None:
+        problems = _venv_problems(info)
+        if problems:
+            raise NaiveVenvError(f"naive worker in {self.venv}: {'; '.join(problems)} ({info})")
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "python": self.python, "venv": self.venv, "created": self.created, "pil": self.info}
+
+
+def _venv_problems(info: dict) -> list[str]:
+    problems = []
+    if info.get("is_pillow_simd"):
+        problems.append("runs pillow-simd")
+    if info.get("distribution", "").lower() != "pillow" or info.get("version") != NAIVE_PILLOW_VERSION:
+        problems.append(f"PIL is {info.get('distribution')} {info.get('version')}, not Pillow {NAIVE_PILLOW_VERSION}")
+    if not info.get("webp"):
+        problems.append("its Pillow has no WebP support (PIL.features.check('webp') is False)")
+    return problems
+
+
+def _run_logged(command: list[str], what: str, env: dict | None = None, timeout: float = 900) -> str:
+    try:
+        done = subprocess.run(command, check=False, capture_output=True, text=True, env=env, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NaiveVenvError(f"{what} failed: {' '.join(command)}: {exc}") from exc
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise NaiveVenvError(f"{what} failed (exit {done.returncode}): {' '.join(command)}\n{tail}")
+    return done.stdout
+
+
+def _probe_venv(python: Path, env: dict) -> dict:
+    out = _run_logged([str(python), "-I", str(Path(naive_worker.__file__).resolve()), "--info"], "probing the naive venv", env, 120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def ensure_naive_venv(venv: Path, *, create: bool = True) -> NaiveRuntime:
+    """The Pillow 13 virtual environment for the naive baseline, created (and cached) on first use.
+
+    `python -m venv` without system site packages, then pip installs pillow==13.0.0 and the
+    pyarrow version installed here. Reused when its python imports Pillow 13 with WebP.
+    """
+    venv = venv.absolute()  # not resolve(): the venv's bin/python is a symlink to the base python
+    python = venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
+    if python.exists():
+        try:
+            info = _probe_venv(python, env)
+            if not _venv_problems(info):
+                return NaiveRuntime("venv", str(python), str(venv), False, info)
+            reason = "; ".join(_venv_problems(info))
+        except (NaiveVenvError, ValueError) as exc:
+            reason = str(exc)
+        if not create:
+            raise NaiveVenvError(f"{venv} is not a usable Pillow {NAIVE_PILLOW_VERSION} venv: {reason}")
+        log(f"naive venv: {venv} unusable ({reason}); recreating it")
+    elif not create:
+        raise NaiveVenvError(f"no venv at {venv} (and creating one was not allowed)")
+    if venv.exists():
+        import shutil
+
+        shutil.rmtree(venv)
+    pyarrow_version = metadata.version("pyarrow")
+    requirements = [f"pillow=={NAIVE_PILLOW_VERSION}", f"pyarrow=={pyarrow_version}"]
+    started = time.perf_counter()
+    log(f"naive venv: creating {venv} and installing {' '.join(requirements)} (first run only) ...")
+    _run_logged([sys.executable, "-m", "venv", str(venv)], "creating the naive venv (python -m venv)", env)
+    _run_logged([str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements], "pip install in the naive venv", env)
+    info = _probe_venv(python, env)
+    problems = _venv_problems(info)
+    if problems:
+        raise NaiveVenvError(f"naive venv {venv} after install: {'; '.join(problems)} ({info})")
+    log(f"naive venv: ready in {time.perf_counter() - started:.0f} s: {info['distribution']} {info['version']}, libwebp {info['libwebp']}")
+    return NaiveRuntime("venv", str(python), str(venv), True, info)
+
+
+def naive_runtime(workdir: Path, *, on_installed_pil: bool = False, venv: Path | None = None, create: bool = True) -> NaiveRuntime:
+    if on_installed_pil:
+        return NaiveRuntime.installed()
+    return ensure_naive_venv(venv or workdir / NAIVE_VENV_NAME, create=create)
+
+
 # ============================================================================ machine load
 
 
@@ -399,7 +514,7 @@ def _cpu_busy_seconds() -> float:
 
 def pipelines_for(default_method: int, threads: int) -> list[Pipeline]:
     pipes = [
-        Pipeline("naive_m4", "naive", 4, 1, "naive (open, exif_transpose, RGB, ImageOps.fit Lanczos x2, WebP m4)"),
+        Pipeline("naive_m4", "naive", 4, 1, "naive (open, exif_transpose, RGB, ImageOps.fit Lanczos x2, WebP m4), see naive_worker.py"),
         Pipeline("floor_m4", "floor", 4, 1, "floor (draft decode + WebP m4 encode of both, nothing else)"),
         Pipeline("fused_m4", "fused", 4, 1, "project fused build_resized_shard, m4, threads=1"),
     ]
@@ -430,15 +545,25 @@ def run_compare(
     seed: int = 0,
     profile: str = "photo",
     style: str = "textured",
+    naive: NaiveRuntime | None = None,
 ) -> dict:
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
+    naive = naive or naive_runtime(workdir)
     default_method = PixelOptions().webp_method
     pipes = pipelines_for(default_method, threads)
     out_root = workdir / "out"
     log(f"compare: {corpus.images} images in {len(corpus.shards)} shards, pipelines: {', '.join(p.name for p in pipes)}")
-    workers = {p.name: WorkerProcess(p, corpus.main, out_root / p.name) for p in pipes}
+    log(f"compare: naive pipeline on {naive.info['distribution']} {naive.info['version']} ({naive.python})")
+    workers: dict[str, WorkerProcess] = {}
+    try:
+        for p in pipes:
+            workers[p.name] = WorkerProcess(p, corpus.main, out_root / p.name, naive)
+    except BaseException:
+        for worker in workers.values():
+            worker.close()
+        raise
     stats: dict[str, dict[str, Any]] = {
-        p.name: {"wall": 0.0, "cpu": 0.0, "images": 0, "valid": 0, "bytes": [0, 0], "per_shard": [], "per_shard_cpu": [], "per_shard_foreign": [], "foreign_cpu": 0.0, "call_wall": 0.0}
+        p.name: {"wall": 0.0, "cpu": 0.0, "images": 0, "valid": 0, "bytes": [0, 0], "per_shard": [], "per_shard_cpu": [], "per_shard_foreign": [], "foreign_cpu": 0.0, "call_wall": 0.0, "phase_wall": {}, "phase_cpu": {}}
         for p in pipes
     }
     load_start = os.getloadavg()
@@ -456,6 +581,9 @@ def run_compare(
                 for field in ("wall", "cpu", "images", "valid", "call_wall"):
                     s[field] += r[field]
                 s["bytes"] = [a + b for a, b in zip(s["bytes"], r["bytes"])]
+                for key in ("phase_wall", "phase_cpu"):
+                    for phase, t in r.get(key, {}).items():
+                        s[key][phase] = s[key].get(phase, 0.0) + t
                 s["foreign_cpu"] += max(0.0, busy - r["call_cpu"])
                 s["per_shard"].append(r["wall"])
                 s["per_shard_cpu"].append(r["cpu"])
@@ -494,7 +622,12 @@ def run_compare(
             "per_shard_wall_s": s["per_shard"],
             "per_shard_cpu_s": s["per_shard_cpu"],
             "per_shard_foreign_load_cores": s["per_shard_foreign"],
+            "pil": workers[p.name].ready["pil"],
+            "phase_ms_per_image": {k: 1000 * t / n for k, t in s["phase_wall"].items()},
+            "phase_cpu_ms_per_image": {k: 1000 * t / n for k, t in s["phase_cpu"].items()},
         }
+    project_pil = results[f"fused_m{default_method}"]["pil"]
+    naive_pil = results["naive_m4"]["pil"]
     report = {
         "mode": "compare",
         "machine": machine_info(),
@@ -503,6 +636,13 @@ def run_compare(
         "elapsed_s": time.perf_counter() - started,
         "corpus": corpus_info(corpus),
         "settings": {"quality": QUALITY, "default_webp_method": default_method, "patch_size": PATCH, "threads": threads},
+        "naive_runtime": naive.describe(),
+        "libraries": {
+            "naive": naive_pil,
+            "project": project_pil,
+            "same_libwebp": naive_pil["libwebp"] == project_pil["libwebp"],
+            "same_libjpeg_turbo": naive_pil["libjpeg_turbo"] == project_pil["libjpeg_turbo"],
+        },
         "pipelines": results,
     }
     report["ratios"] = ratios(results, default_method, threads)
@@ -631,27 +771,67 @@ def _fmt(value: float | None, suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:.3f}{suffix}"
 
 
+PHASE_TEXT = {
+    ("naive", "decode"): "open+decode+exif_transpose+RGB",
+    ("naive", "resize"): "ImageOps.fit Lanczos x2",
+    ("naive", "encode"): "WebP encode x2",
+    ("floor", "decode"): "draft decode",
+    ("floor", "encode"): "WebP encode x2",
+}
+
+
+def _pil_text(info: dict) -> str:
+    simd = "pillow-simd" if info["is_pillow_simd"] else "not pillow-simd"
+    return (
+        f"{info['distribution']} {info['version']} ({simd}), libwebp {info['libwebp']}, "
+        f"libjpeg-turbo {info['libjpeg_turbo']}, pyarrow {info['pyarrow']}"
+    )
+
+
+def _pil_short(info: dict) -> str:
+    name = "pillow-simd" if info["is_pillow_simd"] else "Pillow"
+    return f"{name} {info['version']} (libwebp {info['libwebp']})"
+
+
 def print_compare(report: dict) -> None:
     m, c, res, r = report["machine"], report["corpus"], report["pipelines"], report["ratios"]
     print(f"\n## Comparison ({report['elapsed_s']:.0f} s)\n")
+    lib = report["libraries"]
     print(
-        f"machine: {m['affinity']} cores, {m['pil']} (installed as PIL; the naive baseline runs on it too), "
-        f"libwebp {m['libwebp']}, libjpeg-turbo {m['libjpeg_turbo']}; load average {report['load_average_start'][0]:.2f} -> "
+        f"machine: {m['affinity']} cores, python {m['python']}; load average {report['load_average_start'][0]:.2f} -> "
         f"{report['load_average_end'][0]:.2f}"
     )
+    rt = report["naive_runtime"]
+    where = f"venv {rt['venv']}{' (created by this run)' if rt['created'] else ''}" if rt["kind"] == "venv" else "the installed PIL (--naive-on-installed-pil)"
+    print(f"naive baseline: {_pil_text(lib['naive'])}; runs on {where}")
+    print(f"floor and fused: {_pil_text(lib['project'])}; the project's installed PIL")
+    if not lib["same_libwebp"] or not lib["same_libjpeg_turbo"]:
+        print(
+            "NOTE: the naive baseline's codecs differ from the project's (libwebp "
+            f"{lib['naive']['libwebp']} vs {lib['project']['libwebp']}, libjpeg-turbo {lib['naive']['libjpeg_turbo']} vs "
+            f"{lib['project']['libjpeg_turbo']}): compare the encode and decode shares below, not only the totals"
+        )
     print(
         f"corpus: {c['images']} images ({c['jpeg']} JPEG, {c['png']} PNG, {c['exif_rotated']} EXIF-rotated), long sides "
         f"{c['long_side_min']}-{c['long_side_max']} px, mean {c['megapixels_mean']:.1f} MP, {100 * c['pixel_share_8_30mp']:.0f}% "
         f"of pixels in 8-30 MP images, {c['source_bytes'] / 1e6:.0f} MB; {c['shards']} shards, pipelines interleaved per shard"
     )
     print(f"settings: WebP q{report['settings']['quality']}, project default method {report['settings']['default_webp_method']}\n")
-    print("| pipeline | threads | img/s/core | ms/img (wall) | CPU ms/img | 512 B/img | 1024 B/img | peak RSS MB | other load (cores) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| pipeline | PIL (libwebp) | threads | img/s/core | ms/img (wall) | CPU ms/img | 512 B/img | 1024 B/img | peak RSS MB | other load (cores) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, x in res.items():
         print(
-            f"| {name} | {x['threads']} | {x['images_per_s_per_core']:.2f} | {x['ms_per_image']:.0f} | {x['cpu_ms_per_image']:.0f} | "
-            f"{x['bytes_per_image_512']:,.0f} | {x['bytes_per_image_1024']:,.0f} | {x['peak_rss_mb']:.0f} | {x['foreign_load_cores']:.2f} |"
+            f"| {name} | {_pil_short(x['pil'])} | {x['threads']} | {x['images_per_s_per_core']:.2f} | {x['ms_per_image']:.0f} | "
+            f"{x['cpu_ms_per_image']:.0f} | {x['bytes_per_image_512']:,.0f} | {x['bytes_per_image_1024']:,.0f} | "
+            f"{x['peak_rss_mb']:.0f} | {x['foreign_load_cores']:.2f} |"
         )
+    print("\ntime split, ms/img wall (CPU):")
+    for name, x in res.items():
+        if x["phase_ms_per_image"]:
+            parts = ", ".join(
+                f"{PHASE_TEXT.get((x['kind'], k), k)} {t:.0f} ({x['phase_cpu_ms_per_image'][k]:.0f})" for k, t in x["phase_ms_per_image"].items()
+            )
+            print(f"  {name} ({_pil_short(x['pil'])}): {parts}")
     print("\ntime ratios (project / reference; wall, CPU, per-shard wall range):")
     for name, x in r.items():
         if name == "threads_speedup":
@@ -860,6 +1040,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--style", choices=("textured", "sample"), default="textured", help="corpus content (see corpus.py)")
     parser.add_argument("--profile", choices=("photo", "tiny"), default="photo", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--naive-on-installed-pil",
+        action="store_true",
+        help="run the naive baseline on the installed PIL (pillow-simd here) instead of Pillow 13 in its venv",
+    )
+    parser.add_argument(
+        "--naive-venv",
+        type=Path,
+        help=f"virtual environment for the naive baseline (default WORKDIR/{NAIVE_VENV_NAME}; created with "
+        f"pillow=={NAIVE_PILLOW_VERSION} when missing)",
+    )
+    parser.add_argument("--naive-venv-no-create", action="store_true", help="fail instead of creating (downloading) the naive venv")
     parser.add_argument("--compare", action="store_true", help="run the comparison too when --webp-methods/--memory is given")
     parser.add_argument("--webp-methods", action="store_true", help="time, bytes and PSNR per WebP method")
     parser.add_argument("--methods", default="0,1,2,3,4,5,6", help="methods for --webp-methods (default 0..6)")
@@ -887,7 +1079,10 @@ def main(argv=None) -> dict:
     common = {"seed": args.seed, "profile": args.profile, "style": args.style}
     report: dict[str, Any] = {}
     if args.compare or not (args.webp_methods or args.memory or args.cprofile):
-        report["compare"] = run_compare(args.workdir, args.images, args.shards, args.threads, **common)
+        naive = naive_runtime(
+            args.workdir, on_installed_pil=args.naive_on_installed_pil, venv=args.naive_venv, create=not args.naive_venv_no_create
+        )
+        report["compare"] = run_compare(args.workdir, args.images, args.shards, args.threads, naive=naive, **common)
         print_compare(report["compare"])
     if args.webp_methods:
         methods = tuple(int(m) for m in args.methods.split(","))

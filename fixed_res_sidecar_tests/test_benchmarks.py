@@ -45,12 +45,37 @@ def test_corpus_is_deterministic_and_photo_like(bench):
         assert corpus.encode_spec(spec) == corpus.encode_spec(spec)
 
 
+def _naive_args(bench) -> tuple[list[str], bool]:
+    """The Pillow 13 venv of the default workdir when a benchmark run already made it, else the installed PIL.
+
+    Never creates the venv (that downloads Pillow): --naive-venv-no-create.
+    """
+    venv = bench.DEFAULT_WORKDIR / bench.NAIVE_VENV_NAME
+    try:
+        bench.ensure_naive_venv(venv, create=False)
+    except bench.NaiveVenvError:
+        return ["--naive-on-installed-pil"], False
+    return ["--naive-venv", str(venv), "--naive-venv-no-create"], True
+
+
+def test_naive_worker_imports_only_pil_pyarrow_and_stdlib():
+    """naive_worker.py must run in the Pillow 13 venv, where neither numpy nor the project can be imported."""
+    source = (BENCHMARKS / "naive_worker.py").read_text()
+    imported = {
+        line.split()[1].split(".")[0]
+        for line in source.splitlines()
+        if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
+    }
+    assert imported <= {"importlib", "io", "json", "os", "resource", "sys", "time", "pathlib", "pyarrow", "PIL"}, imported
+
+
 def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, capsys):
     out = tmp_path / "report.json"
+    naive_args, naive_in_venv = _naive_args(bench)
     report = bench.main(
         [
             "--profile", "tiny", "--images", "2", "--shards", "2", "--workdir", str(tmp_path / "work"),
-            "--threads", "2", "--json", str(out),
+            "--threads", "2", "--json", str(out), *naive_args,
             "--compare", "--webp-methods", "--methods", "0,4", "--webp-images", "2",
             "--memory", "--memory-gb", "0.0004", "--memory-threads", "2", "--memory-row-group-rows", "2",
         ]
@@ -70,6 +95,23 @@ def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, ca
     assert all(math.isfinite(r["wall"]) and r["wall"] > 0 for r in compare["ratios"].values())
     assert {"fused_m4_at_least_1.6x_naive", "fused_m4_within_1.15x_floor", "threads_speedup_at_least_1.8x"} <= compare["targets"].keys()
     assert compare["machine"]["pil"].startswith(("pillow-simd", "Pillow"))
+    # Which PIL ran each pipeline: the naive one on Pillow 13 (venv) or on the installed PIL.
+    naive_pil, project_pil = compare["libraries"]["naive"], compare["libraries"]["project"]
+    assert pipelines["naive_m4"]["pil"] == naive_pil and pipelines["fused_m4"]["pil"] == project_pil
+    for info in (naive_pil, project_pil):
+        assert info["webp"] and info["libwebp"] and isinstance(info["is_pillow_simd"], bool) and info["version"]
+    if naive_in_venv:
+        assert compare["naive_runtime"]["kind"] == "venv" and not compare["naive_runtime"]["created"]
+        assert naive_pil["version"] == bench.NAIVE_PILLOW_VERSION and not naive_pil["is_pillow_simd"]
+        assert naive_pil["python"] != project_pil["python"]
+    else:
+        assert compare["naive_runtime"]["kind"] == "installed" and naive_pil == project_pil
+    assert compare["libraries"]["same_libwebp"] == (naive_pil["libwebp"] == project_pil["libwebp"])
+    # The naive time split into decode / resize / encode (and the floor's into decode / encode).
+    naive = pipelines["naive_m4"]
+    assert set(naive["phase_ms_per_image"]) == {"decode", "resize", "encode"}
+    assert math.isclose(sum(naive["phase_ms_per_image"].values()), naive["ms_per_image"], rel_tol=1e-6)
+    assert set(pipelines["floor_m4"]["phase_cpu_ms_per_image"]) == {"decode", "encode"}
     # The fused build really went through the shard builder: Parquet outputs with the audit columns.
     built = pq.read_table(tmp_path / "work" / "out" / "fused_m4" / "1_05mp_process" / "part-00000.parquet")
     assert "1_05mp_process_valid" in built.column_names and all(built.column("1_05mp_process_valid").to_pylist())
@@ -86,5 +128,11 @@ def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, ca
     assert memory["peak_rss_mb"] > memory["baseline_rss_mb"] * 0.5 > 0
     assert isinstance(memory["met"], bool)
 
-    for heading in ("## Comparison", "## WebP methods", "## Memory", "| naive_m4 |", "img/s/core"):
+    for heading in ("## Comparison", "## WebP methods", "## Memory", "| naive_m4 |", "img/s/core", "naive baseline: ", "time split"):
         assert heading in printed
+
+
+def test_naive_venv_is_never_created_when_not_allowed(bench, tmp_path):
+    with pytest.raises(bench.NaiveVenvError, match="not allowed"):
+        bench.ensure_naive_venv(tmp_path / "no-venv", create=False)
+    assert not (tmp_path / "no-venv").exists()
