@@ -62,6 +62,7 @@ import pyarrow.parquet as pq
 from PIL import Image, features
 
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry
+from fixed_res_sidecar.core.orientation import ORIENTATION_TRANSPOSE
 from fixed_res_sidecar.core.pixels import PixelOptions
 
 AREAS = (AREA_512, AREA_1024)
@@ -85,17 +86,6 @@ BYTES_TOLERANCE = 0.01
 # "Faster" in that rule means at least this much less encode time: smaller gaps are within
 # the run-to-run noise of a shared machine (methods 3 and 4 typically land within 1% of each other).
 MIN_TIME_GAIN = 0.05
-
-_ORIENTATION_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
-
 
 def log(*parts: Any) -> None:
     print(*parts, file=sys.stderr, flush=True)
@@ -132,8 +122,8 @@ def resized_outputs(image: Image.Image, orientation: int, plans: list) -> list[I
     """Upright RGB outputs (Lanczos of the crop box) from a decoded, possibly drafted, raw image."""
     if image.mode != "RGB":
         image = image.convert("RGB")
-    if orientation in _ORIENTATION_TRANSPOSE:
-        image = image.transpose(_ORIENTATION_TRANSPOSE[orientation])
+    if orientation in ORIENTATION_TRANSPOSE:
+        image = image.transpose(ORIENTATION_TRANSPOSE[orientation])
     outputs = []
     for plan in plans:
         fx = image.width / plan.src_size[0]

@@ -5,11 +5,21 @@ import functools
 import sys
 from collections import Counter
 
+from fixed_res_sidecar.cli.common import main_shards, usage_error
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.io.locations import (
+    Location,
+    LocationError,
+    check_output_location,
+)
 from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
-from fixed_res_sidecar.jobs.runner import Progress, RunSummary, local_workers, run_shards
+from fixed_res_sidecar.jobs.runner import (
+    Progress,
+    RunSummary,
+    local_workers,
+    run_shards,
+)
 
 
 def add_parser(subparsers) -> None:
@@ -107,13 +117,9 @@ def run(args) -> int:
         if len(outputs) == 2 and outputs[0].location.overlaps(outputs[1].location):
             raise ValueError("the 512 and 1024 outputs must not be the same folder or one inside the other")
         options = _pixel_options(args)
+        shards = main_shards(main)
     except (ValueError, LocationError) as exc:
-        print(f"sidecar-ops: error: {exc}", file=sys.stderr)
-        return 2
-    shards = main.list_shards()
-    if not shards:
-        print(f"sidecar-ops: error: no *.parquet shards under {main.uri}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
     job = functools.partial(
         build_resized_shard,
         main,
@@ -130,12 +136,10 @@ def run(args) -> int:
         try:
             from fixed_res_sidecar.jobs import ray_runner
         except ImportError as exc:
-            print(
-                f"sidecar-ops: error: --use-ray needs Ray, which is not installed ({exc}); "
-                "install it with: pip install 'fixed-resolution-sidecar[ray]'",
-                file=sys.stderr,
+            return usage_error(
+                f"--use-ray needs Ray, which is not installed ({exc}); "
+                "install it with: pip install 'fixed-resolution-sidecar[ray]'"
             )
-            return 2
         try:
             summary = ray_runner.run_shards_on_ray(
                 job,
@@ -148,8 +152,7 @@ def run(args) -> int:
                 progress=progress,
             )
         except ray_runner.RayConnectionError as exc:
-            print(f"sidecar-ops: error: {exc}", file=sys.stderr)
-            return 2
+            return usage_error(exc)
     else:
         workers = local_workers(args.max_inflight, args.task_cpus)
         summary = run_shards(job, shards, workers=workers, max_attempts=args.max_attempts, progress=progress)

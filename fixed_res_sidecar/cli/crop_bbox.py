@@ -9,6 +9,7 @@ import argparse
 import functools
 import sys
 
+from fixed_res_sidecar.cli.common import main_shards, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -93,13 +94,9 @@ def run(args: argparse.Namespace) -> int:
         output = Location.parse(args.output_prefix)
         captions = Location.parse(args.caption_prefix) if args.caption_prefix else None
         check_output_locations(main, output, [resized_512, resized_1024, *([captions] if captions else [])])
+        shards = main_shards(main)
     except (ValueError, LocationError) as exc:
-        print(f"sidecar-ops: error: {exc}", file=sys.stderr)
-        return 2
-    shards = main.list_shards()
-    if not shards:
-        print(f"sidecar-ops: error: no *.parquet shards under {main.uri}", file=sys.stderr)
-        return 2
+        return usage_error(exc)
 
     gate = functools.partial(
         verifier_gate,

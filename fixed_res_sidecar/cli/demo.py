@@ -4,8 +4,8 @@ Dagster is imported only when the command runs, so the other commands start fast
 """
 
 import argparse
-import sys
 
+from fixed_res_sidecar.cli.common import usage_error
 from fixed_res_sidecar.sample_data import DEFAULT_SHARDS
 
 
@@ -28,13 +28,11 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.shards < 1 or args.rows_per_shard < 1:
-        print("sidecar-ops: error: --shards and --rows-per-shard must be at least 1", file=sys.stderr)
-        return 2
+        return usage_error("--shards and --rows-per-shard must be at least 1")
     from fixed_res_sidecar import demo
     from fixed_res_sidecar.defs.config import ConfigError
 
     try:
         return demo.main(args.workdir, args.shards, args.rows_per_shard)
     except ConfigError as exc:
-        print(f"sidecar-ops: error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(exc)

@@ -6,16 +6,20 @@ the full JSON: per-shard reports and the dataset summary.
 """
 
 import json
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fixed_res_sidecar.cli.common import main_shards, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.io.locations import (
+    Location,
+    LocationError,
+    check_output_location,
+)
 from fixed_res_sidecar.jobs.verify import (
     ShardReport,
     dataset_summary,
@@ -95,7 +99,7 @@ def run_verify_resized(args) -> int:
         _check_report_path(args.report, main)
         shards = _shards(main, args.shard)
     except (ValueError, LocationError) as exc:
-        return _usage_error(exc)
+        return usage_error(exc)
 
     def verify_one(rel: str) -> ShardReport:
         return verify_resized_shard(
@@ -133,7 +137,7 @@ def run_verify_crop_bbox(args) -> int:
         _check_report_path(args.report, main)
         shards = _shards(main, args.shard)
     except (ValueError, LocationError) as exc:
-        return _usage_error(exc)
+        return usage_error(exc)
 
     def verify_one(rel: str) -> ShardReport:
         return verify_crop_bbox_shard(
@@ -171,9 +175,7 @@ def _check_report_path(path: str | None, main: Location) -> None:
 
 
 def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:
-    shards = main.list_shards()
-    if not shards:
-        raise ValueError(f"no *.parquet shards under {main.uri}")
+    shards = main_shards(main)
     if selected:
         wanted = set(selected)
         unknown = sorted(wanted.difference(shards))
@@ -181,11 +183,6 @@ def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:
             raise ValueError(f"not shards of {main.uri}: {unknown}")
         shards = [rel for rel in shards if rel in wanted]
     return shards
-
-
-def _usage_error(exc: Exception | str) -> int:
-    print(f"sidecar-ops: error: {exc}", file=sys.stderr)
-    return 2
 
 
 def _run_all(shards: list[str], verify_one: Callable[[str], ShardReport], threads: int) -> list[ShardReport]:
@@ -217,7 +214,7 @@ def _finish(
         try:
             _write_text(report_path, json.dumps(document, indent=2, sort_keys=False), protect=[main])
         except (OSError, ValueError) as exc:
-            return _usage_error(f"could not write the report {report_path}: {exc}")
+            return usage_error(f"could not write the report {report_path}: {exc}")
         print(f"report: {report_path}")
     print("PASSED" if passed else "FAILED")
     return 0 if passed else 1

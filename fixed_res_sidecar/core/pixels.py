@@ -43,7 +43,13 @@ from PIL import Image, ImageChops, ImageCms, ImageMath, features
 from .audit import AuditRecord, ErrorCode
 from .errors import describe_exception
 from .geometry import Geometry, geometry
-from .orientation import SWAPS_AXES, oriented_box_to_raw, oriented_size, read_orientation, to_upright
+from .orientation import (
+    SWAPS_AXES,
+    oriented_box_to_raw,
+    oriented_size,
+    read_orientation,
+    to_upright,
+)
 
 # Pillow's own decompression-bomb guard is switched off on purpose: the configured
 # `PixelOptions.max_source_pixels` is enforced from the header before decoding instead,

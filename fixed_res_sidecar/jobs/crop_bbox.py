@@ -30,8 +30,16 @@ from fixed_res_sidecar.core.bbox import (
     crop_captions_for_row,
 )
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
-from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, read_settings
+from fixed_res_sidecar.io.locations import (
+    Location,
+    LocationError,
+    check_output_location,
+)
+from fixed_res_sidecar.jobs.settings import (
+    encode_settings,
+    is_up_to_date,
+    read_settings,
+)
 
 CROP_COLUMNS = {name: f"structured_description_crop_{name}" for name in RESOLUTIONS}
 META_COLUMN = "bbox_resize_meta"

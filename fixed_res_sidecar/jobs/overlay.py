@@ -29,7 +29,11 @@ from fixed_res_sidecar.core.bbox import (
     parse_box,
     raw_box_to_oriented,
 )
-from fixed_res_sidecar.core.orientation import oriented_size, read_orientation, to_upright
+from fixed_res_sidecar.core.orientation import (
+    oriented_size,
+    read_orientation,
+    to_upright,
+)
 from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
 
 PANEL_HEIGHT = 384

@@ -17,9 +17,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fixed_res_sidecar.core.audit import AuditRecord, ErrorCode, audit_arrays, audit_columns
+from fixed_res_sidecar.core.audit import (
+    AuditRecord,
+    ErrorCode,
+    audit_arrays,
+    audit_columns,
+)
 from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type
-from fixed_res_sidecar.core.pixels import ImageResult, PixelOptions, library_versions, pipeline_settings, process_image
+from fixed_res_sidecar.core.pixels import (
+    ImageResult,
+    PixelOptions,
+    library_versions,
+    pipeline_settings,
+    process_image,
+)
 from fixed_res_sidecar.io.locations import Location, check_output_location
 from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date
 

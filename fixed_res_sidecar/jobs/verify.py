@@ -41,10 +41,20 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import AUDIT_TYPES, ERROR_CODES, audit_column
-from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS, box_slots, is_valid_crop_box
+from fixed_res_sidecar.core.bbox import (
+    CAPTION_FRAMES,
+    DEFAULT_BBOX_KEYS,
+    box_slots,
+    is_valid_crop_box,
+)
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.geometry import geometry, near_target_area
-from fixed_res_sidecar.core.image_cell import has_image, image_bytes, image_bytes_array, is_image_type
+from fixed_res_sidecar.core.image_cell import (
+    has_image,
+    image_bytes,
+    image_bytes_array,
+    is_image_type,
+)
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS, area_for_audit_prefix
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
 from fixed_res_sidecar.jobs import overlay
