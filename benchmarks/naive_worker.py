@@ -155,13 +155,16 @@ class NaiveWorker:
         }
 
 
-def main(spec_json: str) -> None:
-    spec = json.loads(spec_json)
+def serve(make_worker, handlers: dict) -> None:
+    """Serve JSON-line requests on stdin with the worker `make_worker()` builds; `handlers` maps
+    an op to `handler(worker, request) -> reply`. Replies go to the real stdout, anything else
+    the process prints to stderr. Shared with run.py's workers: this file must stay importable
+    on plain Pillow with the standard library only, so the protocol lives here."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     try:
-        worker = NaiveWorker(spec)
+        worker = make_worker()
         info = pil_info()
     except Exception as exc:
         protocol.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
@@ -173,17 +176,21 @@ def main(spec_json: str) -> None:
         if op == "exit":
             break
         try:
-            if op == "warmup":
-                reply = worker.warmup()
-            elif op == "run":
-                reply = worker.run(request["shard"])
-            else:
-                reply = {"error": f"unknown op {op!r}"}
+            handler = handlers.get(op)
+            reply = handler(worker, request) if handler else {"error": f"unknown op {op!r}"}
         except Exception as exc:  # report, do not hang the parent
             import traceback
 
             reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         protocol.write(json.dumps(reply) + "\n")
+
+
+def main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    serve(
+        lambda: NaiveWorker(spec),
+        {"warmup": lambda worker, request: worker.warmup(), "run": lambda worker, request: worker.run(request["shard"])},
+    )
 
 
 if __name__ == "__main__":

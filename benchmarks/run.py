@@ -286,30 +286,15 @@ class _Worker:
 
 
 def worker_main(spec: str) -> None:
-    """Serve JSON-line requests on stdin; replies go to the real stdout, anything else to stderr."""
+    """One pipeline's worker process, serving the parent's requests (naive_worker.serve)."""
     params = json.loads(spec)
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    worker = _Worker(Pipeline(**params["pipeline"]), Path(params["main"]), Path(params["out"]))
-    protocol.write(json.dumps({"ready": True, "rss_mb": _rss_mb(), "pil": naive_worker.pil_info()}) + "\n")
-    for line in sys.stdin:
-        request = json.loads(line)
-        op = request["op"]
-        if op == "exit":
-            break
-        try:
-            if op == "warmup":
-                reply = worker.warmup(request["shard"])
-            elif op == "run":
-                reply = worker.run(request["shard"], request.get("sample_rss", False))
-            else:
-                reply = {"error": f"unknown op {op!r}"}
-        except Exception as exc:  # report, do not hang the parent
-            import traceback
-
-            reply = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        protocol.write(json.dumps(reply) + "\n")
+    naive_worker.serve(
+        lambda: _Worker(Pipeline(**params["pipeline"]), Path(params["main"]), Path(params["out"])),
+        {
+            "warmup": lambda worker, request: worker.warmup(request["shard"]),
+            "run": lambda worker, request: worker.run(request["shard"], request.get("sample_rss", False)),
+        },
+    )
 
 
 class WorkerProcess:
