@@ -5,7 +5,7 @@ import functools
 import sys
 from collections import Counter
 
-from fixed_res_sidecar.cli.common import main_shards, usage_error
+from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import (
@@ -157,6 +157,8 @@ def run(args) -> int:
         workers = local_workers(args.max_inflight, args.task_cpus)
         summary = run_shards(job, shards, workers=workers, max_attempts=args.max_attempts, progress=progress)
     print(format_summary(summary), file=sys.stdout)
+    if links := symlink_report(main):
+        print(links)
     return 0 if summary.ok else 1
 
 

@@ -20,3 +20,21 @@ def main_shards(main: Location) -> list[str]:
     if not shards:
         raise UsageError(f"no *.parquet shards under {main.uri}")
     return shards
+
+
+SYMLINKS_LISTED = 20
+
+
+def symlink_report(main: Location) -> str:
+    """Summary lines naming the symbolic links in a local main dataset, which are never followed."""
+    links = main.skipped_symlinks()
+    if not links:
+        return ""
+    lines = [
+        f"skipped {len(links)} symbolic link(s) in the main dataset (a main dataset is what is stored under "
+        "its folder; links are never followed, so their shards are not built):"
+    ]
+    lines += [f"  {rel} -> {target}" for rel, target in list(links.items())[:SYMLINKS_LISTED]]
+    if len(links) > SYMLINKS_LISTED:
+        lines.append(f"  ... and {len(links) - SYMLINKS_LISTED} more")
+    return "\n".join(lines)

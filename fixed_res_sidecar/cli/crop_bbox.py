@@ -9,7 +9,7 @@ import argparse
 import functools
 import sys
 
-from fixed_res_sidecar.cli.common import main_shards, usage_error
+from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(shards)} shards under {main.uri} -> {output.uri}", file=sys.stderr)
     summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
+    if links := symlink_report(main):
+        print(links)
     return 0 if summary.ok else 1
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fixed_res_sidecar.cli.common import main_shards, usage_error
+from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import (
@@ -204,6 +204,8 @@ def _finish(
     passed = all(r.passed for r in reports)
     print(header)
     _print_summary(reports, summary)
+    if links := symlink_report(main):
+        print(links)
     if report_path:
         document = {
             "command": command,
@@ -265,7 +267,7 @@ def _write_text(path: str, text: str, protect: Sequence[Location]) -> None:
         parent, _, name = path.rstrip("/").rpartition("/")
         if not name or parent in ("s3:", "s3:/"):
             raise ValueError(f"{path!r} needs a key under a bucket")
-        Location.parse(parent).write_bytes(name, text.encode())
+        Location.parse(parent).write_bytes(name, text.encode(), protect=protect)
         return
     file_path = Path(target.path)
-    Location.parse(file_path.parent).write_bytes(file_path.name, text.encode())
+    Location.parse(file_path.parent).write_bytes(file_path.name, text.encode(), protect=protect)

@@ -164,7 +164,7 @@ def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.Partiti
             sample=dataset.verify_sample,
             square=dataset.square,
         )
-        path = verify.write_report(reports, rel, report, protect=[dataset.main])
+        path = verify.write_report(reports, rel, report, protect=dataset.read_only)
         failed = [c.name for c in report.failed_checks]
         context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")
         return dg.MaterializeResult(
@@ -317,7 +317,7 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
             overlay_dir=overlays,
             overlay_sample=dataset.overlay_sample,
         )
-        path = verify.write_report(reports, rel, report, protect=[dataset.main])
+        path = verify.write_report(reports, rel, report, protect=dataset.read_only)
         pictures = list(report.stats.get("overlays") or [])
         metadata = {
             **_shard_metadata(output, rel),

@@ -258,6 +258,11 @@ class DatasetConfig(_Strict):
     def captions(self) -> Location | None:
         return Location.parse(self.caption_prefix) if self.caption_prefix else None
 
+    @property
+    def read_only(self) -> list[Location]:
+        """The locations nothing may be written at, inside or above: main, and the caption dataset."""
+        return [self.main, *([self.captions] if self.captions else [])]
+
     def output(self, name: str) -> Location:
         """`resized_512`, `resized_1024`, `crop_bbox` or `reports`."""
         return Location.parse(getattr(self.outputs, name))

@@ -133,18 +133,37 @@ class Location:
                 if entries:
                     yield entries
             return
-        root = Path(self.path)
-        found = []
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                path = Path(folder, name)
-                rel = path.relative_to(root).as_posix()
-                if _is_shard(rel, suffix) and (start_after is None or rel > start_after):
-                    found.append((rel, path.stat().st_size))
-        found.sort()
+        found, _ = self._walk_local(suffix, start_after)
         for start in range(0, len(found), page_size):
             yield found[start : start + page_size]
+
+    def skipped_symlinks(self, suffix: str = SHARD_SUFFIX) -> dict[str, str]:
+        """rel -> where it points, for every symbolic link the local listing did not follow.
+
+        A dataset is what is stored under its folder: a symlinked shard or folder may point
+        anywhere (another dataset, an output that gets rewritten), so the listing never
+        follows one. Callers report these so nothing is skipped silently. Always empty on S3.
+        """
+        return {} if self.is_s3 else self._walk_local(suffix)[1]
+
+    def _walk_local(self, suffix: str, start_after: str | None = None) -> tuple[list[tuple[str, int]], dict[str, str]]:
+        """(sorted (rel, bytes) of shards, rel -> target of symlinks not followed)."""
+        root = Path(self.path)
+        found, links = [], {}
+        for folder, dirs, files in os.walk(root):  # os.walk never descends into a symlinked folder
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in [*dirs, *files]:
+                path = Path(folder, name)
+                rel = path.relative_to(root).as_posix()
+                if path.is_symlink():
+                    if name in dirs or _is_shard(rel, suffix):
+                        links[rel] = os.readlink(path)
+                    continue
+                if name in files and _is_shard(rel, suffix) and (start_after is None or rel > start_after):
+                    found.append((rel, path.stat().st_size))
+            dirs[:] = [d for d in dirs if not Path(folder, d).is_symlink()]
+        found.sort()
+        return found, dict(sorted(links.items()))
 
     # -- reading -------------------------------------------------------------------
 
@@ -175,11 +194,17 @@ class Location:
         Local: a hidden temporary file in the target folder, renamed over the final
         name. S3: a local temporary file uploaded with one PUT or one completed
         multipart upload. On error, or a crash, nothing appears at the final name.
+
+        Nothing is written at, inside or above a `protect` location: the check compares the
+        locations, and locally also the real path of every file and folder this creates or
+        renames (symbolic links resolved in every component), before and after creating
+        folders and again just before the rename.
         """
         rel = _check_rel(rel)
+        target = Location.parse(self.child(rel)) if self.is_s3 else Location(self.scheme, "", str(Path(self.path, rel)))
         for protected in protect:
-            if self.overlaps(protected):
-                raise LocationError(f"refusing to write {self.child(rel)}: it overlaps {protected.uri}")
+            if target.overlaps(protected):
+                raise LocationError(f"refusing to write {target.uri}: it is at, inside or above {protected.uri}, which is read-only")
         if self.is_s3:
             with tempfile.TemporaryDirectory(prefix="sidecar-") as tmp_dir:
                 tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
@@ -187,12 +212,15 @@ class Location:
                 s3_client().upload_file(tmp, self.bucket, self._key(rel))
             return
         final = Path(self.path, rel)
+        _refuse_protected_real_path(final, protect)
         final.parent.mkdir(parents=True, exist_ok=True)
+        _refuse_protected_real_path(final, protect)  # a link may have appeared meanwhile
         # A crashed writer's temporary is garbage once it is older than any write could take.
         self.remove_stale_temporaries(rel, older_than=STALE_TEMPORARY_SECONDS)
         tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             yield str(tmp)
+            _refuse_protected_real_path(final, protect)
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -229,6 +257,21 @@ def check_output_location(main: Location, output: Location, what: str = "output"
             f"{what} location {output.uri} is at, inside or above the main dataset {main.uri}; "
             "the main dataset is read-only"
         )
+
+
+def _refuse_protected_real_path(path: Path, protect: Sequence[Location]) -> None:
+    """Refuse a local write whose real path (every symlink resolved) is at, inside or above a protected location."""
+    real = Path(os.path.realpath(path))
+    for protected in protect:
+        if protected.is_s3:
+            continue
+        protected_real = Path(os.path.realpath(protected.path))
+        n = min(len(real.parts), len(protected_real.parts))
+        if real.parts[:n] == protected_real.parts[:n]:
+            raise LocationError(
+                f"refusing to write {path}: through symbolic links it is {real}, at, inside or above "
+                f"{protected.uri}, which is read-only"
+            )
 
 
 def _is_shard(rel: str, suffix: str) -> bool:

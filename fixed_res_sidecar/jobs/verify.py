@@ -927,7 +927,7 @@ def _write_overlays(
             **options,
         )
         target = f"{stem}/{row:06d}-{_safe_name(keys[row])}.png"
-        overlay_dir.write_bytes(target, png, protect=[sources.main])
+        overlay_dir.write_bytes(target, png, protect=[sources.main, sources.captions])
         written.append(overlay_dir.child(target))
     report.stats["overlays"] = written
     message = f"{uri}: {len(written)} overlay picture(s) under {overlay_dir.child(stem)}"

@@ -13,7 +13,7 @@ from fixed_res_sidecar.cli.build import format_summary
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.jobs.runner import RunSummary
 from fixed_res_sidecar.sample_data import write_sample_dataset
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, tree_snapshot
 
 SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
 
@@ -60,6 +60,39 @@ def test_a_broken_shard_fails_alone_and_is_named(sample_main, tmp_path):
     assert result.returncode == 1
     assert "FAILED zz/broken.parquet" in result.stdout and "not a readable Parquet file" in result.stdout
     assert Location.parse(out).list_shards() == sorted(SHARDS)
+
+
+def test_an_output_folder_linked_into_main_never_gets_written(sample_main, tmp_path):
+    # out512/nested -> main/nested: the prefixes do not overlap, the real paths do.
+    out_512 = tmp_path / "512"
+    out_512.mkdir()
+    (out_512 / "nested").symlink_to(Path(sample_main.path) / "nested")
+    (tmp_path / "1024").mkdir()
+    (tmp_path / "1024" / "part-00000.parquet").symlink_to(Path(sample_main.path) / "part-00000.parquet")
+    before = tree_snapshot(sample_main.path)
+    result = sidecar_ops(
+        "build-both", "--main-prefix", sample_main.uri,
+        "--output-prefix-512", str(out_512), "--output-prefix-1024", str(tmp_path / "1024"),
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert tree_snapshot(sample_main.path) == before
+    assert "3 total, 0 built, 0 skipped, 3 failed" in result.stdout
+    for rel in SHARDS:
+        assert f"FAILED {rel}: LocationError: refusing to write" in result.stdout
+    assert "read-only" in result.stdout
+
+
+def test_symlinks_in_main_are_not_followed_and_are_reported(sample_main, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    write_sample_dataset(elsewhere, shards=["x.parquet"], rows_per_shard=2)
+    (Path(sample_main.path) / "linked").symlink_to(elsewhere)
+    (Path(sample_main.path) / "linked-x.parquet").symlink_to(elsewhere / "x.parquet")
+    result = sidecar_ops("build-0-262mp", "--main-prefix", sample_main.uri, "--output-prefix", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr
+    assert "3 total, 3 built" in result.stdout
+    assert "skipped 2 symbolic link(s) in the main dataset" in result.stdout
+    assert f"linked -> {elsewhere}" in result.stdout and f"linked-x.parquet -> {elsewhere / 'x.parquet'}" in result.stdout
+    assert Location.parse(tmp_path / "out").list_shards() == sorted(SHARDS)
 
 
 def test_bad_configuration_is_refused_before_any_work(sample_main, tmp_path):

@@ -50,6 +50,21 @@ def test_builds_every_shard_with_progress_and_summary(sample_build, tmp_path, ca
     assert f"0 built, {len(shards)} skipped, 0 failed" in capsys.readouterr().out
 
 
+def test_a_sidecar_folder_linked_into_main_or_captions_never_gets_written(sample_build, tmp_path, capsys):
+    from fixed_res_sidecar_tests.fixtures.datasets import tree_snapshot
+
+    main, (out_512, out_1024) = sample_build
+    output = tmp_path / "sidecar"
+    (output / "nested").mkdir(parents=True)
+    (output / "nested" / "a").symlink_to(Path(main.path) / "nested" / "a")
+    (output / "part-00000.parquet").symlink_to(Path(main.path) / "part-00000.parquet")
+    before = tree_snapshot(main.path)
+    assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
+    out = capsys.readouterr().out
+    assert "2 failed" in out and out.count("refusing to write") == 2
+    assert tree_snapshot(main.path) == before
+
+
 def test_a_failing_shard_does_not_stop_the_others(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     shards = main.list_shards()

@@ -118,6 +118,24 @@ def test_report_inside_main_is_refused_before_any_work(paths, capsys):
     assert not (paths["main"] / "report.json").exists()
 
 
+def test_report_and_overlays_through_a_symlink_into_main_are_refused(paths, tmp_path, capsys):
+    from fixed_res_sidecar_tests.fixtures.datasets import tree_snapshot
+
+    before = tree_snapshot(paths["main"])
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    (reports / "linked").symlink_to(paths["main"] / "nested")
+    assert run(*resized_args(paths, "512", "--report", reports / "linked" / "report.json")) == 2
+    assert "read-only" in capsys.readouterr().err  # refused up front: the path is resolved when parsed
+    overlays = tmp_path / "overlays"
+    overlays.mkdir()
+    (overlays / "nested").symlink_to(paths["main"] / "nested")  # where nested shards' pictures go
+    assert run(*crop_args(paths, "--overlay-dir", overlays)) == 1
+    out = capsys.readouterr().out
+    assert "FAILED overlays_written on nested/a/part-00001.parquet" in out and "symbolic links" in out
+    assert tree_snapshot(paths["main"]) == before
+
+
 def test_verify_crop_bbox_passes_with_overlays(paths, tmp_path, capsys):
     overlays = tmp_path / "overlays"
     report_file = tmp_path / "crop.json"

@@ -89,6 +89,79 @@ def test_write_path_refuses_protected_location(tmp_path):
     assert not (tmp_path / "main").exists()
 
 
+def _main_with_victim(tmp_path: Path) -> Path:
+    main = tmp_path / "data" / "main"
+    _touch(main, "a/b/victim.parquet", b"main bytes")
+    return main
+
+
+# Symlinks in the output tree that resolve into main: (link, target relative to tmp_path, rel written).
+SYMLINKS_INTO_MAIN = {
+    "folder at depth 1": ("out/a", "data/main/a", "a/b/victim.parquet"),
+    "folder at depth 2": ("out/a/b", "data/main/a/b", "a/b/victim.parquet"),
+    "file": ("out/a/b/victim.parquet", "data/main/a/b/victim.parquet", "a/b/victim.parquet"),
+    "folder onto main itself": ("out/a", "data/main", "a/b/victim.parquet"),
+    "folder above main": ("out/a", "data", "a/main/a/b/victim.parquet"),
+    "dangling folder link to a new folder in main": ("out/new", "data/main/new", "new/x.parquet"),
+    "relative link": ("out/a", "../data/main/a", "a/b/victim.parquet"),
+}
+
+
+@pytest.mark.parametrize("case", SYMLINKS_INTO_MAIN)
+def test_a_write_through_a_symlink_into_main_is_refused(tmp_path, case):
+    from fixed_res_sidecar_tests.fixtures.datasets import tree_snapshot
+
+    main_dir = _main_with_victim(tmp_path)
+    link, target, rel = SYMLINKS_INTO_MAIN[case]
+    (tmp_path / link).parent.mkdir(parents=True, exist_ok=True)
+    target_path = Path(target) if target.startswith("..") else tmp_path / target
+    (tmp_path / link).symlink_to(target_path)
+    before = tree_snapshot(main_dir)
+    output, main = Location.parse(tmp_path / "out"), Location.parse(main_dir)
+    assert not output.overlaps(main)  # the prefixes alone do not overlap: only the real paths do
+    with pytest.raises(LocationError, match="symbolic links"):
+        output.write_bytes(rel, b"resized shard", protect=[main])
+    with pytest.raises(LocationError, match="symbolic links"):
+        with output.write_atomic(rel, protect=[main]) as tmp:
+            Path(tmp).write_bytes(b"resized shard")
+    assert tree_snapshot(main_dir) == before
+
+
+def test_a_write_through_a_symlink_into_the_caption_dataset_is_refused(tmp_path):
+    main, captions = Location.parse(tmp_path / "main"), Location.parse(tmp_path / "captions")
+    _touch(tmp_path / "captions", "x/c.parquet", b"captions")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").symlink_to(tmp_path / "captions" / "x")
+    with pytest.raises(LocationError, match="symbolic links"):
+        Location.parse(tmp_path / "out").write_bytes("x/c.parquet", b"sidecar", protect=[main, captions])
+    assert (tmp_path / "captions" / "x" / "c.parquet").read_bytes() == b"captions"
+
+
+def test_symlinks_elsewhere_in_the_output_tree_are_fine(tmp_path):
+    main = Location.parse(_main_with_victim(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "a").symlink_to(tmp_path / "elsewhere")
+    Location.parse(tmp_path / "out").write_bytes("a/b/x.parquet", b"ok", protect=[main])
+    assert (tmp_path / "elsewhere" / "b" / "x.parquet").read_bytes() == b"ok"
+
+
+def test_local_listing_follows_no_symlink_and_names_each(tmp_path):
+    main = tmp_path / "main"
+    _touch(main, "real/a.parquet")
+    _touch(tmp_path, "outside/b.parquet")
+    _touch(tmp_path, "outside/deep/c.parquet")
+    (main / "linked-folder").symlink_to(tmp_path / "outside")
+    (main / "real" / "linked.parquet").symlink_to(tmp_path / "outside" / "b.parquet")
+    (main / "real" / "notes.txt").symlink_to(tmp_path / "outside" / "b.parquet")  # not a shard: not reported
+    location = Location.parse(main)
+    assert location.list_shards() == ["real/a.parquet"]
+    assert location.skipped_symlinks() == {
+        "linked-folder": str(tmp_path / "outside"),
+        "real/linked.parquet": str(tmp_path / "outside" / "b.parquet"),
+    }
+
+
 def test_remove_stale_temporaries(tmp_path):
     _touch(tmp_path, "a/.b.parquet.0123456789ab.tmp")
     _touch(tmp_path, "a/b.parquet")
