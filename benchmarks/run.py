@@ -261,7 +261,7 @@ class _Worker:
 
     def _run_fused(self, shard: str) -> dict:
         from fixed_res_sidecar.io.locations import Location
-        from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
+        from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
 
         outputs = [ResizedOutput(Location.parse(self.out / AUDIT_PREFIXES[a]), a, AUDIT_PREFIXES[a]) for a in AREAS]
         options = PixelOptions(webp_method=self.p.method)
@@ -985,7 +985,7 @@ def run_cprofile(workdir: Path, images: int, shards: int, method: int, *, seed=0
     import pstats
 
     from fixed_res_sidecar.io.locations import Location
-    from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
+    from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
 
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
     out = workdir / "out" / "cprofile"

@@ -13,8 +13,8 @@ from fixed_res_sidecar.io.locations import (
     LocationError,
     check_output_location,
 )
-from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
-from fixed_res_sidecar.jobs.runner import (
+from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.shards.runner import (
     Progress,
     RunSummary,
     local_workers,
@@ -134,7 +134,7 @@ def run(args) -> int:
     progress = Progress(len(shards))
     if args.use_ray:
         try:
-            from fixed_res_sidecar.jobs import ray_runner
+            from fixed_res_sidecar.shards import ray_runner
         except ImportError as exc:
             return usage_error(
                 f"--use-ray needs Ray, which is not installed ({exc}); "

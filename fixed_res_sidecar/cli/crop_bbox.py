@@ -13,14 +13,14 @@ from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_erro
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.jobs.crop_bbox import (
+from fixed_res_sidecar.shards.crop_bbox import (
     CropBboxGateError,
     CropBboxResult,
     build_crop_bbox_shard,
     check_output_locations,
 )
-from fixed_res_sidecar.jobs.runner import Progress, RunSummary, run_shards
-from fixed_res_sidecar.jobs.verify import resized_gate_problems
+from fixed_res_sidecar.shards.runner import Progress, RunSummary, run_shards
+from fixed_res_sidecar.shards.verify import resized_gate_problems
 
 
 def add_parser(subparsers) -> None:

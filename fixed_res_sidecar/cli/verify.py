@@ -20,7 +20,7 @@ from fixed_res_sidecar.io.locations import (
     LocationError,
     check_output_location,
 )
-from fixed_res_sidecar.jobs.verify import (
+from fixed_res_sidecar.shards.verify import (
     ShardReport,
     dataset_summary,
     default_target_area,

@@ -1,7 +1,7 @@
 """EXIF orientation: reading the tag, turning pixels upright, and moving points and boxes (SPEC 4, 6).
 
 The one implementation used by the pixel pipeline (core/pixels.py), the caption boxes
-(core/bbox.py) and the overlay pictures (jobs/overlay.py), so a picture can never show an
+(core/bbox.py) and the overlay pictures (core/overlay.py), so a picture can never show an
 image or a box turned differently from the resize.
 
 Frames: the *raw* frame is the pixels as stored; the *oriented* frame is the image as

@@ -6,11 +6,11 @@
 
 - `main`: the main Parquet dataset, external (never materialised here); the discovery sensor
   records one observation per shard (row count, bytes).
-- `resized_512` + `resized_1024`: one multi-asset over `jobs.resize.build_resized_shard`, so
+- `resized_512` + `resized_1024`: one multi-asset over `shards.resize.build_resized_shard`, so
   one decode feeds both; either can be selected alone.
-- `verify_512` / `verify_1024`: `jobs.verify.verify_resized_shard`; the JSON report is written
+- `verify_512` / `verify_1024`: `shards.verify.verify_resized_shard`; the JSON report is written
   under the dataset's reports prefix; SPEC 7 items are blocking partitioned checks.
-- `crop_bbox`: `jobs.crop_bbox.build_crop_bbox_shard`, then `verify_crop_bbox_shard`, whose
+- `crop_bbox`: `shards.crop_bbox.build_crop_bbox_shard`, then `verify_crop_bbox_shard`, whose
   overlay pictures are written under the reports prefix and shown in the materialization.
   Gated: in the same run, a failed blocking check upstream skips it; across runs, its
   automation condition waits until both verifiers' blocking checks passed for the shard; and
@@ -41,9 +41,9 @@ from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs import verify
-from fixed_res_sidecar.jobs.crop_bbox import build_crop_bbox_shard
-from fixed_res_sidecar.jobs.resize import build_resized_shard
+from fixed_res_sidecar.shards import verify
+from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar.shards.resize import build_resized_shard
 
 # Inline thumbnails cost about 60-130 KB of event log each (base64 PNG at this width); the
 # full-size PNGs stay under the reports prefix. `overlay_embed` sets how many per shard.

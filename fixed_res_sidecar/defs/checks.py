@@ -1,6 +1,6 @@
 """Asset checks: SPEC 7 per shard (partitioned, blocking) and per dataset.
 
-The checks themselves are `fixed_res_sidecar.jobs.verify`; this module only declares them
+The checks themselves are `fixed_res_sidecar.shards.verify`; this module only declares them
 to Dagster and turns a `ShardReport` into check results:
 
 - `<dataset>/verify_512` and `<dataset>/verify_1024` carry one blocking check per SPEC 7 item
@@ -24,7 +24,7 @@ import dagster as dg
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.partitions import partition_key_problem
-from fixed_res_sidecar.jobs import verify
+from fixed_res_sidecar.shards import verify
 
 RESIZED_CHECK_DESCRIPTIONS = {
     verify.SHARD_COMPLETE: "SPEC 7.1: the output shard exists and its row count equals the main shard's.",

@@ -59,7 +59,7 @@ from fixed_res_sidecar.io.locations import (
     LocationError,
     check_output_location,
 )
-from fixed_res_sidecar.jobs.resize import ResizedOutput
+from fixed_res_sidecar.shards.resize import ResizedOutput
 
 DATASETS_ENV = "SIDECAR_DATASETS"
 REPO_ROOT = Path(__file__).resolve().parents[2]

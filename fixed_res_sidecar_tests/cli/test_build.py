@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli.build import format_summary
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs.runner import RunSummary
+from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, tree_snapshot
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli import crop_bbox
-from fixed_res_sidecar.jobs.settings import SETTINGS_KEY
+from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 
 
 def run_cli(argv: list[str]) -> int:

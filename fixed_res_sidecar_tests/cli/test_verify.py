@@ -12,7 +12,7 @@ import pytest
 from fixed_res_sidecar.cli import verify as verify_cli
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, build_crop_bbox_shard
+from fixed_res_sidecar.shards.crop_bbox import CROP_COLUMNS, build_crop_bbox_shard
 
 REL = "nested/b/part-00002.parquet"
 

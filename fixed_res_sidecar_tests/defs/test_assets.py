@@ -10,7 +10,7 @@ from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.definitions import build_definitions
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs import verify
+from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar_tests.defs.conftest import (
     TINY_ROWS,
     TINY_SHARDS,

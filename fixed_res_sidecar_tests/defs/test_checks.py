@@ -17,8 +17,8 @@ from fixed_res_sidecar.defs.checks import (
 from fixed_res_sidecar.defs.definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs import verify
-from fixed_res_sidecar.jobs.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar.shards import verify
+from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.defs.conftest import QUIET, dataset_entry, make_config
 
 KEY = dg.AssetKey(["ds", "verify_512"])

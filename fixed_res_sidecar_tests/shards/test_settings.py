@@ -2,7 +2,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date, read_settings
+from fixed_res_sidecar.shards.settings import encode_settings, is_up_to_date, read_settings
 
 
 def _write(location: Location, rel: str, rows: int, settings: dict | None) -> None:

@@ -35,7 +35,7 @@ from fixed_res_sidecar.io.locations import (
     LocationError,
     check_output_location,
 )
-from fixed_res_sidecar.jobs.settings import (
+from fixed_res_sidecar.shards.settings import (
     encode_settings,
     is_up_to_date,
     read_settings,

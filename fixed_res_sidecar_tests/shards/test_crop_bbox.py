@@ -11,14 +11,14 @@ import pytest
 
 from fixed_res_sidecar.core.audit import read_audit_records
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.jobs.crop_bbox import (
+from fixed_res_sidecar.shards.crop_bbox import (
     CROP_COLUMNS,
     META_COLUMN,
     CropBboxGateError,
     CropBboxInputError,
     build_crop_bbox_shard,
 )
-from fixed_res_sidecar.jobs.settings import SETTINGS_KEY
+from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 
 COLUMNS = ["image_key", CROP_COLUMNS["512"], CROP_COLUMNS["1024"], META_COLUMN]
 PREFIXES = {"512": "0_26mp_process", "1024": "1_05mp_process"}
@@ -260,7 +260,7 @@ def test_caption_dataset(build, tmp_path):
 def test_streams_across_unaligned_row_groups(build, monkeypatch):
     # Small read batches and output row groups: every step is sliced across the inputs'
     # different row-group boundaries, and the result must not change.
-    from fixed_res_sidecar.jobs import crop_bbox
+    from fixed_res_sidecar.shards import crop_bbox
 
     main, r512, r1024, output = build
     rel = main.list_shards()[0]

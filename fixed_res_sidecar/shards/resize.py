@@ -32,7 +32,7 @@ from fixed_res_sidecar.core.pixels import (
     process_image,
 )
 from fixed_res_sidecar.io.locations import Location, check_output_location
-from fixed_res_sidecar.jobs.settings import encode_settings, is_up_to_date
+from fixed_res_sidecar.shards.settings import encode_settings, is_up_to_date
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
 SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time

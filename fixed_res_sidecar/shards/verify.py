@@ -57,9 +57,9 @@ from fixed_res_sidecar.core.image_cell import (
 )
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS, area_for_audit_prefix
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
-from fixed_res_sidecar.jobs import overlay
-from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, META_COLUMN
-from fixed_res_sidecar.jobs.settings import read_settings
+from fixed_res_sidecar.shards import overlay
+from fixed_res_sidecar.shards.crop_bbox import CROP_COLUMNS, META_COLUMN
+from fixed_res_sidecar.shards.settings import read_settings
 
 SHARD_COMPLETE = "shard_complete"
 KEYS_MATCH = "keys_match"

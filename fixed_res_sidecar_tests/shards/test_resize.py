@@ -11,9 +11,9 @@ from fixed_res_sidecar.core.audit import AUDIT_TYPES, read_audit_records
 from fixed_res_sidecar.core.geometry import AREA_512, geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.jobs import resize
-from fixed_res_sidecar.jobs.resize import ResizedOutput, ShardError, build_resized_shard
-from fixed_res_sidecar.jobs.settings import read_settings
+from fixed_res_sidecar.shards import resize
+from fixed_res_sidecar.shards.resize import ResizedOutput, ShardError, build_resized_shard
+from fixed_res_sidecar.shards.settings import read_settings
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, resized_outputs
 

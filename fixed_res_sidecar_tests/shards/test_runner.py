@@ -5,7 +5,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fixed_res_sidecar.jobs.runner import Progress, local_workers, run_shards
+from fixed_res_sidecar.shards.runner import Progress, local_workers, run_shards
 
 
 @dataclass

@@ -17,9 +17,9 @@ from fixed_res_sidecar.core.geometry import geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs.crop_bbox import CROP_COLUMNS, META_COLUMN, build_crop_bbox_shard
-from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
-from fixed_res_sidecar.jobs.verify import (
+from fixed_res_sidecar.shards.crop_bbox import CROP_COLUMNS, META_COLUMN, build_crop_bbox_shard
+from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.shards.verify import (
     AUDIT_CONSISTENT,
     BOXES_VALID,
     CROP_BBOX_CHECKS,
@@ -478,7 +478,7 @@ def test_image_column_of_the_wrong_type_fails_without_raising(build):
 
 def test_only_the_sampled_images_leave_arrow(build, monkeypatch):
     # Presence is computed in Arrow; Python sees the bytes of the sampled rows only.
-    from fixed_res_sidecar.jobs import verify
+    from fixed_res_sidecar.shards import verify
 
     copied = []
     real = verify.image_bytes_array

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 import ray.exceptions as ray_errors
 
-from fixed_res_sidecar.jobs.runner import Progress, RunSummary
+from fixed_res_sidecar.shards.runner import Progress, RunSummary
 
 GIB = 2**30
 

@@ -9,7 +9,7 @@ import pytest
 from PIL import EpsImagePlugin, Image
 
 from fixed_res_sidecar.core.pixels import PixelOptions, process_image
-from fixed_res_sidecar.jobs.overlay import (
+from fixed_res_sidecar.shards.overlay import (
     BOX_COLOURS,
     BOX_STROKE,
     PANEL_GAP,

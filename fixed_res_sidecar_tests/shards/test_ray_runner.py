@@ -1,4 +1,4 @@
-"""jobs/ray_runner.py: `--use-ray` builds on a real local Ray cluster.
+"""shards/ray_runner.py: `--use-ray` builds on a real local Ray cluster.
 
 One 2-CPU Ray cluster is shared by the module (Ray takes seconds to start). The CLI runs
 in process, so `--use-ray` finds that cluster. Workers die for real: the wrapper below
@@ -24,8 +24,8 @@ from fixed_res_sidecar import cli
 from fixed_res_sidecar.cli import build as build_cli
 from fixed_res_sidecar.core.geometry import AREA_512
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.jobs.resize import ResizedOutput, build_resized_shard
-from fixed_res_sidecar.jobs.runner import Progress
+from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.shards.runner import Progress
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, resized_outputs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -222,7 +222,7 @@ def test_a_job_exception_fails_its_shard_once_and_others_finish(
 
 
 def test_runner_keeps_max_inflight_and_reports_progress(ray_cluster, tmp_path):
-    from fixed_res_sidecar.jobs.ray_runner import run_shards_on_ray
+    from fixed_res_sidecar.shards.ray_runner import run_shards_on_ray
 
     shards = ["a.parquet", "bad.parquet", "c.parquet"]
     stream = io.StringIO()
