@@ -29,9 +29,12 @@ from typing import Any
 
 import yaml
 
-from fixed_res_sidecar.defs.config import REPO_ROOT, DatasetConfig, load_config
+from fixed_res_sidecar.defs.config import DATASETS_ENV, DatasetConfig, load_config
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
+
+# The local instance settings (dagster.yaml) ship inside the package, next to the definitions.
+INSTANCE_YAML = Path(__file__).resolve().parent / "defs" / "dagster.yaml"
 
 DEFAULT_WORKDIR = Path("sidecar-demo")
 DATASET_NAME = "sample"
@@ -103,7 +106,7 @@ def prepare_workdir(workdir: Path, shards: int, rows_per_shard: int, say: Callab
 
 @contextmanager
 def dagster_home(workdir: Path) -> Iterator[Path]:
-    """DAGSTER_HOME as set, else `<workdir>/dagster_home` with the repo's dagster.yaml."""
+    """DAGSTER_HOME as set, else `<workdir>/dagster_home` with the packaged dagster.yaml."""
     given = os.environ.get("DAGSTER_HOME")
     if given:
         home = Path(given).expanduser().resolve()
@@ -112,9 +115,8 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
         return
     home = (workdir / "dagster_home").resolve()
     home.mkdir(parents=True, exist_ok=True)
-    instance_yaml = REPO_ROOT / "dagster.yaml"
-    if instance_yaml.exists() and not (home / "dagster.yaml").exists():
-        shutil.copyfile(instance_yaml, home / "dagster.yaml")
+    if not (home / "dagster.yaml").exists():
+        shutil.copyfile(INSTANCE_YAML, home / "dagster.yaml")
     os.environ["DAGSTER_HOME"] = str(home)
     try:
         yield home
@@ -122,9 +124,27 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
         os.environ.pop("DAGSTER_HOME", None)
 
 
+def apply_sensor_result(instance, result) -> list[str]:
+    """Do in-process what the sensor daemon does with a tick's result, except launching runs.
+
+    Records the asset events and adds the partitions; returns the added keys. The demo uses
+    this to register shards without a daemon; runs are then executed by the caller.
+    """
+    for event in result.asset_events or []:
+        instance.report_runless_asset_event(event)
+    added: list[str] = []
+    for request in result.dynamic_partitions_requests or []:
+        existing = set(instance.get_dynamic_partitions(request.partitions_def_name))
+        new = [key for key in request.partition_keys if key not in existing]
+        if new:
+            instance.add_dynamic_partitions(request.partitions_def_name, new)
+            added.extend(new)
+    return added
+
+
 def register_shards(instance, dataset: DatasetConfig) -> list[str]:
     """Discovery ticks in process, until the listing is complete; returns the new partitions."""
-    from fixed_res_sidecar.defs.sensors import ShardCursor, apply_tick, discovery_tick
+    from fixed_res_sidecar.defs.sensors import ShardCursor, discovery_tick
 
     keys = DatasetKeys(dataset.name)
     added: list[str] = []
@@ -132,33 +152,20 @@ def register_shards(instance, dataset: DatasetConfig) -> list[str]:
     while True:
         known = set(instance.get_dynamic_partitions(keys.partitions))
         result = discovery_tick(dataset, known, cursor, log=logging.getLogger("sidecar-demo"))
-        added += apply_tick(instance, result)
+        added += apply_sensor_result(instance, result)
         cursor = result.cursor
         if ShardCursor.parse(cursor).after is None:
             return added
 
 
-def _latest_metadata(instance, asset_key, rel: str) -> dict[str, Any] | None:
-    import dagster as dg
-
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=asset_key, asset_partitions=[rel]), limit=1
-    ).records
-    if not records:
-        return None
-    return {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
-
-
-def _check_status(instance, defs, dataset: DatasetConfig, rels: list[str]) -> dict[tuple[str, str], str]:
+def _check_statuses(instance, defs, dataset: DatasetConfig, rels: list[str]) -> dict[tuple[str, str], str]:
     """(check key text, shard) -> SUCCEEDED / FAILED / PLANNED, for every partitioned check."""
+    from fixed_res_sidecar.defs.history import check_statuses
+
     keys = DatasetKeys(dataset.name)
     asset_keys = {keys.verify(r) for r in RESOLUTIONS} | {keys.crop_bbox}
     check_keys = [k for k in defs.resolve_asset_graph().asset_check_keys if k.asset_key in asset_keys]
-    infos = instance.event_log_storage.get_asset_check_partition_info(check_keys, partition_keys=rels)
-    return {
-        (info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value
-        for info in infos
-    }
+    return check_statuses(instance, check_keys, rels)
 
 
 def finished_shards(instance, dataset: DatasetConfig, rels: list[str], statuses: dict) -> set[str]:
@@ -206,7 +213,7 @@ def run_demo(
         say(f"{len(rels)} shards are partitions of {keys.partitions} ({len(new)} new); Dagster home {home}")
         summary = DemoSummary(workdir, home, config_file, dataset, created, new)
         job = defs.resolve_job_def(keys.shard_job)
-        finished = finished_shards(instance, dataset, rels, _check_status(instance, defs, dataset, rels))
+        finished = finished_shards(instance, dataset, rels, _check_statuses(instance, defs, dataset, rels))
         for index, rel in enumerate(rels, 1):
             if rel in finished:
                 summary.shards.append(ShardOutcome(rel, "up to date"))
@@ -238,12 +245,14 @@ def run_demo(
 
 
 def _collect(summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str]) -> None:
+    from fixed_res_sidecar.defs.history import latest_metadata
+
     keys = DatasetKeys(dataset.name)
     for resolution in RESOLUTIONS:
         totals: Counter = Counter()
         errors: Counter = Counter()
         for rel in rels:
-            metadata = _latest_metadata(instance, keys.verify(resolution), rel) or {}
+            metadata = latest_metadata(instance, keys.verify(resolution), rel) or {}
             totals["valid"] += metadata.get("valid") or 0
             totals["invalid"] += metadata.get("invalid") or 0
             errors.update(metadata.get("error_counts") or {})
@@ -253,7 +262,7 @@ def _collect(summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels:
             "invalid": totals["invalid"],
             "errors": dict(sorted(errors.items())),
         }
-    statuses = _check_status(instance, defs, dataset, rels)
+    statuses = _check_statuses(instance, defs, dataset, rels)
     check_names = sorted({name for name, _ in statuses})
     for name in check_names:
         counter: Counter = Counter(passed=0, failed=0, **{"not run": 0})
@@ -263,10 +272,8 @@ def _collect(summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels:
             if status == "FAILED":
                 summary.failed_checks.append(f"{name} on {rel}")
         summary.checks[name] = counter
-    overlays = dataset.report_location("overlays")
-    if not overlays.is_s3:
-        for rel in rels:
-            summary.overlays += sorted(str(p) for p in Path(overlays.child(rel.removesuffix(".parquet"))).glob("*.png"))
+    overlays = dataset.layout.report_location("overlays")
+    summary.overlays = [overlays.child(rel) for rel in overlays.list_shards(suffix=".png")]
 
 
 def format_summary(summary: DemoSummary) -> str:
@@ -300,14 +307,14 @@ def format_summary(summary: DemoSummary) -> str:
         lines.append(f"    {keys.dataset_check.to_user_string():<38} {'passed' if passed else 'WARN'}: {text}")
     for text in summary.failed_checks[:20]:
         lines.append(f"    FAILED {text}")
-    overlay_dir = dataset.report_location("overlays").uri
+    overlay_dir = dataset.layout.report_location("overlays").uri
     lines.append(f"  overlay pictures ({len(summary.overlays)} PNGs: original | 512 | 1024 with their boxes): {overlay_dir}")
     for path in summary.overlays[:3]:
         lines.append(f"    {path}")
     lines.append(f"  verifier reports: {dataset.output('reports').uri}")
     lines.append(
-        f"  browse it: DAGSTER_HOME={summary.dagster_home} SIDECAR_DATASETS={summary.config_file} "
-        f"dagster dev -w {REPO_ROOT / 'workspace.yaml'}"
+        f"  browse it: DAGSTER_HOME={summary.dagster_home} {DATASETS_ENV}={summary.config_file} "
+        "dagster dev -m fixed_res_sidecar.defs.definitions"
     )
     lines.append("  result: " + ("OK" if summary.ok else "PROBLEMS (see above)"))
     return "\n".join(lines)

@@ -28,7 +28,7 @@ def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch,
     for resolution in ("512", "1024"):
         rows = first.rows[resolution]
         assert rows["valid"] + rows["invalid"] == 12 and rows["invalid"] == sum(rows["errors"].values()) >= 1
-    assert len(first.checks) == 4 + 4 + 6
+    assert len(first.checks) == 4 + 4 + 5
     assert all(counter["passed"] == 2 for counter in first.checks.values())
     assert first.dataset_check is not None and first.dataset_check[0]
     assert first.overlays and all(path.endswith(".png") for path in first.overlays)

@@ -19,7 +19,7 @@ from dagster._config import process_config, resolve_to_config_type
 from dagster._core.instance.ref import InstanceRef
 from dagster._utils.tags import TagConcurrencyLimitsCounter
 
-from fixed_res_sidecar.defs.run_resources import DATASET_TAG, run_tags
+from fixed_res_sidecar.defs.run_resources import DATASET_TAG, launcher_tags
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 INSTANCES = {"k8s": "dagster.yaml", "ray": "dagster-ray.yaml"}
@@ -124,16 +124,16 @@ def test_run_limits_retries_and_monitoring_take_effect():
     limits = queue.tag_concurrency_limits
     per_dataset = next(limit for limit in limits if limit["key"] == DATASET_TAG)
     assert per_dataset["value"] == {"applyLimitPerUniqueValue": True}
-    running = [dg.DagsterRun(job_name="shard", tags=run_tags(1, 4, dataset="a")) for _ in range(per_dataset["limit"])]
+    running = [dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="a")) for _ in range(per_dataset["limit"])]
     counter = TagConcurrencyLimitsCounter(limits, running)
-    assert counter.is_blocked(dg.DagsterRun(job_name="shard", tags=run_tags(1, 4, dataset="a")))
-    assert not counter.is_blocked(dg.DagsterRun(job_name="shard", tags=run_tags(1, 4, dataset="b")))
+    assert counter.is_blocked(dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="a")))
+    assert not counter.is_blocked(dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="b")))
     assert queue.max_concurrent_runs > per_dataset["limit"]
 
 
 def test_k8s_run_pods_get_the_dataset_resources(tmp_path, env, monkeypatch):
     """Build the real K8sRunLauncher from deploy/dagster.yaml (kube-config loading stubbed)
-    and the Job it would create: the run pod requests what run_tags asked for."""
+    and the Job it would create: the run pod requests what launcher_tags asked for."""
     ref = instance_ref("k8s", tmp_path)
     import dagster_k8s.launcher
     from dagster_k8s.job import construct_dagster_k8s_job
@@ -153,7 +153,7 @@ def test_k8s_run_pods_get_the_dataset_resources(tmp_path, env, monkeypatch):
         )
         return job, context
 
-    job, context = run_pod(run_tags(6, 24, dataset="big"))
+    job, context = run_pod(launcher_tags(6, 24, dataset="big"))
     container = job.spec.template.spec.containers[0]
     assert container.resources.requests == {"cpu": "6", "memory": "24Gi"}
     assert container.resources.limits == {"memory": "24Gi"}
@@ -173,7 +173,7 @@ def test_ray_run_jobs_get_the_dataset_resources(tmp_path, env):
     launcher = ref.run_launcher_data.rehydrate()  # the job client connects lazily
     assert launcher.address == "http://ray-head:8265"
     assert (launcher.num_cpus, launcher.memory) == (1, 4 * 2**30)
-    from_tags = RayLauncherConfig.from_tags(run_tags(6, 24, dataset="big"))
+    from_tags = RayLauncherConfig.from_tags(launcher_tags(6, 24, dataset="big"))
     assert (from_tags.num_cpus, from_tags.memory) == (6.0, 24 * 2**30)
 
 

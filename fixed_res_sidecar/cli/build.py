@@ -5,15 +5,12 @@ import functools
 import sys
 from collections import Counter
 
-from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import (
-    Location,
-    LocationError,
-    check_output_location,
-)
-from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.io.locations import Location, LocationError
+from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
+from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.runner import (
     Progress,
     RunSummary,
@@ -67,15 +64,20 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=3, help="tries per shard when a worker dies")
 
 
-def _outputs(args) -> list[ResizedOutput]:
+def _layout(args) -> DatasetLayout:
     if args.resolutions == ["512", "1024"]:
-        prefixes = {"512": (args.output_prefix_512, args.audit_prefix_512), "1024": (args.output_prefix_1024, args.audit_prefix_1024)}
+        outputs = {
+            "512": resized_output("512", args.output_prefix_512, args.audit_prefix_512),
+            "1024": resized_output("1024", args.output_prefix_1024, args.audit_prefix_1024),
+        }
     else:
-        prefixes = {args.resolutions[0]: (args.output_prefix, args.audit_prefix)}
-    return [
-        ResizedOutput(Location.parse(uri), RESOLUTIONS[resolution].area, audit_prefix)
-        for resolution, (uri, audit_prefix) in prefixes.items()
-    ]
+        (name,) = args.resolutions
+        outputs = {name: resized_output(name, args.output_prefix, args.audit_prefix)}
+    layout = DatasetLayout(
+        Location.parse(args.main_prefix), outputs, key_column=args.key_column, image_column=args.image_column
+    )
+    layout.check_locations()
+    return layout
 
 
 def _pixel_options(args) -> PixelOptions:
@@ -85,52 +87,33 @@ def _pixel_options(args) -> PixelOptions:
             background = tuple(int(v) for v in args.background.split(","))
         except ValueError:
             raise ValueError(f"--background must be R,G,B integers, got {args.background!r}") from None
-    return PixelOptions(
-        patch_size=args.patch_size,
-        square=args.square,
-        output_format=args.output_format,
-        quality=args.quality,
-        webp_method=args.webp_method,
-        max_source_pixels=args.max_source_pixels,
-        max_aspect_ratio=args.max_aspect_ratio,
-        min_source_side=args.min_source_side,
-        background=background,
-    )
-
-
-def _check_args(args) -> None:
-    for name in ("max_inflight", "task_cpus", "threads_per_shard", "max_attempts"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.task_memory_gb <= 0:
-        raise ValueError("--task-memory-gb must be positive")
+    return PixelOptions.from_values({**vars(args), "background": background})
 
 
 def run(args) -> int:
     # Everything is validated before any shard is touched (bad configuration does no work).
     try:
-        _check_args(args)
-        main = Location.parse(args.main_prefix)
-        outputs = _outputs(args)
-        for output in outputs:
-            check_output_location(main, output.location)
-        if len(outputs) == 2 and outputs[0].location.overlaps(outputs[1].location):
-            raise ValueError("the 512 and 1024 outputs must not be the same folder or one inside the other")
+        check_positive(
+            max_inflight=args.max_inflight, task_cpus=args.task_cpus,
+            threads_per_shard=args.threads_per_shard, max_attempts=args.max_attempts,
+        )  # fmt: skip
+        if args.task_memory_gb <= 0:
+            raise ValueError("--task-memory-gb must be positive")
+        layout = _layout(args)
         options = _pixel_options(args)
-        shards = main_shards(main)
+        shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
+    main = layout.main
     job = functools.partial(
         build_resized_shard,
-        main,
-        outputs=outputs,
-        key_column=args.key_column,
-        image_column=args.image_column,
+        layout,
         options=options,
         threads=args.threads_per_shard,
         skip_existing=args.skip_existing,
     )
-    print(f"{len(shards)} shards under {main.uri} -> {', '.join(o.location.uri for o in outputs)}", file=sys.stderr)
+    targets = ", ".join(o.location.uri for o in layout.resized.values())
+    print(f"{len(shards)} shards under {main.uri} -> {targets}", file=sys.stderr)
     progress = Progress(len(shards))
     if args.use_ray:
         try:

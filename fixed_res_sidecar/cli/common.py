@@ -4,6 +4,8 @@ import sys
 
 from fixed_res_sidecar.io.locations import Location
 
+SYMLINKS_LISTED = 20
+
 
 class UsageError(ValueError):
     """Bad configuration or arguments: refused before any work, exit status 2."""
@@ -22,7 +24,11 @@ def main_shards(main: Location) -> list[str]:
     return shards
 
 
-SYMLINKS_LISTED = 20
+def check_positive(**values: int) -> None:
+    """Refuse `--name` options below 1."""
+    for name, value in values.items():
+        if value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def symlink_report(main: Location) -> str:

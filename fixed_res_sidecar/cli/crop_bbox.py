@@ -9,18 +9,14 @@ import argparse
 import functools
 import sys
 
-from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.shards.crop_bbox import (
-    CropBboxGateError,
-    CropBboxResult,
-    build_crop_bbox_shard,
-    check_output_locations,
-)
+from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.runner import Progress, RunSummary, run_shards
-from fixed_res_sidecar.shards.verify import resized_gate_problems
+from fixed_res_sidecar.shards.verify import VerifyOptions, require_verified
 
 
 def add_parser(subparsers) -> None:
@@ -78,65 +74,47 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+def sidecar_layout(args: argparse.Namespace, sidecar_prefix: str) -> DatasetLayout:
+    """The layout `build-crop-bbox` and `verify-crop-bbox` read their options into; its locations checked."""
+    layout = DatasetLayout(
+        Location.parse(args.main_prefix),
+        {
+            "512": resized_output("512", args.resized_512_prefix, args.audit_prefix_512),
+            "1024": resized_output("1024", args.resized_1024_prefix, args.audit_prefix_1024),
+        },
+        sidecar=Location.parse(sidecar_prefix),
+        captions=Location.parse(args.caption_prefix) if args.caption_prefix else None,
+        key_column=args.key_column,
+        image_column=args.image_column,
+        caption_column=args.caption_column,
+        bbox_keys=tuple(args.bbox_keys) if args.bbox_keys else None,
+        caption_frame=args.caption_frame,
+    )
+    layout.check_locations()
+    return layout
+
+
 def run(args: argparse.Namespace) -> int:
     """Build every shard; 0 when all succeeded, 1 when any failed, 2 on bad configuration."""
     # Configuration is checked before any shard is touched.
     try:
-        if args.threads < 1:
-            raise ValueError("--threads must be at least 1")
+        check_positive(threads=args.threads, patch_size=args.patch_size)
         if args.verify_sample < 0:
             raise ValueError("--verify-sample must be at least 0")
-        if args.patch_size < 1:
-            raise ValueError("--patch-size must be at least 1")
-        main = Location.parse(args.main_prefix)
-        resized_512 = Location.parse(args.resized_512_prefix)
-        resized_1024 = Location.parse(args.resized_1024_prefix)
-        output = Location.parse(args.output_prefix)
-        captions = Location.parse(args.caption_prefix) if args.caption_prefix else None
-        check_output_locations(main, output, [resized_512, resized_1024, *([captions] if captions else [])])
-        shards = main_shards(main)
+        layout = sidecar_layout(args, args.output_prefix)
+        shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
 
-    gate = functools.partial(
-        verifier_gate,
-        main,
-        resized={"512": (resized_512, args.audit_prefix_512), "1024": (resized_1024, args.audit_prefix_1024)},
-        key_column=args.key_column,
-        image_column=args.image_column,
-        patch_size=args.patch_size,
-        sample=args.verify_sample,
-        square=args.square,
-    )
-    job = functools.partial(
-        build_crop_bbox_shard,
-        main,
-        resized_512=resized_512,
-        resized_1024=resized_1024,
-        output=output,
-        key_column=args.key_column,
-        caption_column=args.caption_column,
-        caption_location=captions,
-        audit_prefix_512=args.audit_prefix_512,
-        audit_prefix_1024=args.audit_prefix_1024,
-        bbox_keys=tuple(args.bbox_keys or DEFAULT_BBOX_KEYS),
-        caption_frame=args.caption_frame,
-        skip_existing=args.skip_existing,
-        gate=gate,
-    )
-    print(f"{len(shards)} shards under {main.uri} -> {output.uri}", file=sys.stderr)
+    verify_options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.verify_sample)
+    gate = functools.partial(require_verified, layout, options=verify_options)
+    job = functools.partial(build_crop_bbox_shard, layout, skip_existing=args.skip_existing, gate=gate)
+    print(f"{len(shards)} shards under {layout.main.uri} -> {layout.sidecar.uri}", file=sys.stderr)
     summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
-    if links := symlink_report(main):
+    if links := symlink_report(layout.main):
         print(links)
     return 0 if summary.ok else 1
-
-
-def verifier_gate(main: Location, rel: str, **options) -> None:
-    """Raise CropBboxGateError unless both resized shards of `rel` pass the verifier (SPEC 7 gate)."""
-    problems = resized_gate_problems(main, rel, **options)
-    if problems:
-        raise CropBboxGateError("; ".join(problems) + "; its crop-bbox sidecar is not built")
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -9,25 +9,25 @@ import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from fixed_res_sidecar.cli.common import main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.crop_bbox import sidecar_layout
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES
-from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import (
-    Location,
-    LocationError,
-    check_output_location,
-)
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS, area_for_audit_prefix
+from fixed_res_sidecar.io.locations import Location, LocationError, check_writable
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
+from fixed_res_sidecar.shards.listing import dataset_summary
+from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.verify import (
     ShardReport,
-    dataset_summary,
-    default_target_area,
+    VerifyOptions,
     verify_crop_bbox_shard,
     verify_resized_shard,
 )
 
+T = TypeVar("T")
 EXAMPLES_SHOWN = 5  # invalid rows printed in the summary; the JSON report keeps up to 20 per shard
 
 
@@ -91,87 +91,74 @@ def _add_common(parser) -> None:
 
 def run_verify_resized(args) -> int:
     try:
-        main = Location.parse(args.main_prefix)
-        output = Location.parse(args.output_prefix)
-        check_output_location(main, output)
-        area = args.target_area if args.target_area is not None else default_target_area(args.audit_prefix)
-        _check_positive(patch_size=args.patch_size, sample=args.sample, threads=args.threads, target_area=area)
-        _check_report_path(args.report, main)
-        shards = _shards(main, args.shard)
+        area = args.target_area if args.target_area is not None else area_for_audit_prefix(args.audit_prefix)
+        if area is None:
+            defaults = {r.audit_prefix: r.area for r in RESOLUTIONS.values()}
+            raise ValueError(
+                f"no default target area for audit prefix {args.audit_prefix!r}; give --target-area (defaults: {defaults})"
+            )
+        check_positive(patch_size=args.patch_size, sample=args.sample, threads=args.threads, target_area=area)
+        output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)
+        layout = DatasetLayout(
+            Location.parse(args.main_prefix), {output.resolution: output},
+            key_column=args.key_column, image_column=args.image_column,
+        )  # fmt: skip
+        layout.check_locations()
+        _check_report_path(args.report, layout)
+        shards = _shards(layout.main, args.shard)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
 
-    def verify_one(rel: str) -> ShardReport:
-        return verify_resized_shard(
-            main, rel, output,
-            key_column=args.key_column,
-            image_column=args.image_column,
-            audit_prefix=args.audit_prefix,
-            target_area=area,
-            patch_size=args.patch_size,
-            sample=args.sample,
-            square=args.square,
-        )
-
-    reports = _run_all(shards, verify_one, args.threads)
-    resolution = reports[0].resolution if reports else str(area)
-    summary = dataset_summary(main, {resolution: output})
-    header = f"verify-resized {output.uri} (area {area}, audit {args.audit_prefix}) against {main.uri}"
-    return _finish("verify-resized", header, reports, summary, args.report, main)
+    options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.sample)
+    reports = _run_all(shards, lambda rel: verify_resized_shard(layout, rel, output.resolution, options), args.threads)
+    summary = dataset_summary(layout.main, {output.resolution: output.location})
+    header = f"verify-resized {output.location.uri} (area {area}, audit {args.audit_prefix}) against {layout.main.uri}"
+    return _finish("verify-resized", header, reports, summary, args.report, layout)
 
 
 def run_verify_crop_bbox(args) -> int:
     try:
-        main = Location.parse(args.main_prefix)
-        resized_512 = Location.parse(args.resized_512_prefix)
-        resized_1024 = Location.parse(args.resized_1024_prefix)
-        sidecar = Location.parse(args.sidecar_prefix)
-        captions = Location.parse(args.caption_prefix) if args.caption_prefix else None
+        check_positive(overlay_sample=args.overlay_sample, threads=args.threads)
+        layout = sidecar_layout(args, args.sidecar_prefix)
         overlay_dir = Location.parse(args.overlay_dir) if args.overlay_dir else None
-        written_or_read = {"resized 512": resized_512, "resized 1024": resized_1024, "sidecar": sidecar}
         if overlay_dir is not None:
-            written_or_read["overlay"] = overlay_dir
-        for name, location in written_or_read.items():
-            check_output_location(main, location, name)
-        _check_positive(overlay_sample=args.overlay_sample, threads=args.threads)
-        _check_report_path(args.report, main)
-        shards = _shards(main, args.shard)
+            others = [(f"the {name} location", location) for name, location in layout.outputs().items()]
+            check_writable(overlay_dir, [*layout.described_read_only(), *others], "--overlay-dir")
+        _check_report_path(args.report, layout)
+        shards = _shards(layout.main, args.shard)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
 
-    def verify_one(rel: str) -> ShardReport:
-        return verify_crop_bbox_shard(
-            main, rel, resized_512, resized_1024, sidecar,
-            key_column=args.key_column,
-            audit_prefix_512=args.audit_prefix_512,
-            audit_prefix_1024=args.audit_prefix_1024,
-            image_column=args.image_column,
-            caption_column=args.caption_column,
-            caption_location=captions,
-            bbox_keys=args.bbox_keys,
-            caption_frame=args.caption_frame,
-            overlay_dir=overlay_dir,
-            overlay_sample=args.overlay_sample,
-        )
-
-    reports = _run_all(shards, verify_one, args.threads)
-    summary = dataset_summary(main, {"512": resized_512, "1024": resized_1024, "sidecar": sidecar})
-    header = f"verify-crop-bbox {sidecar.uri} against {main.uri}"
+    reports = _run_all(shards, lambda rel: verify_crop_bbox_shard(layout, rel), args.threads)
+    outputs = {name: output.location for name, output in layout.resized.items()}
+    summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
+    header = f"verify-crop-bbox {layout.sidecar.uri} against {layout.main.uri}"
+    overlay_failures: dict[str, str] = {}
     if overlay_dir is not None:
-        count = sum(len(r.stats.get("overlays", [])) for r in reports)
-        header += f"\noverlays: {count} picture(s) under {overlay_dir.uri}"
-    return _finish("verify-crop-bbox", header, reports, summary, args.report, main)
+        written, overlay_failures = _draw_overlays(layout, shards, overlay_dir, args.overlay_sample, args.threads)
+        header += f"\noverlays: {written} picture(s) under {overlay_dir.uri}"
+    return _finish("verify-crop-bbox", header, reports, summary, args.report, layout, overlay_failures)
 
 
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+def _draw_overlays(
+    layout: DatasetLayout, shards: list[str], overlay_dir: Location, sample: int, threads: int
+) -> tuple[int, dict[str, str]]:
+    """(pictures written, shard -> why its pictures could not be drawn)."""
+
+    def draw(rel: str) -> tuple[str, list[str] | str]:
+        try:
+            return rel, write_overlays(layout, rel, overlay_dir, sample)
+        except Exception as exc:  # a shard whose pictures cannot be drawn is reported, the others go on
+            return rel, describe_exception(exc, max_chars=300)
+
+    outcomes = _run_all(shards, draw, threads)
+    failures = {rel: outcome for rel, outcome in outcomes if isinstance(outcome, str)}
+    return sum(len(outcome) for _, outcome in outcomes if isinstance(outcome, list)), failures
 
 
-def _check_report_path(path: str | None, main: Location) -> None:
-    if path and Location.parse(path).overlaps(main):
-        raise ValueError(f"--report {path} is inside the main dataset {main.uri}, which is read-only")
+def _check_report_path(path: str | None, layout: DatasetLayout) -> None:
+    if path:
+        check_writable(Location.parse(path), layout.described_read_only(), "--report")
 
 
 def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:
@@ -185,12 +172,12 @@ def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:
     return shards
 
 
-def _run_all(shards: list[str], verify_one: Callable[[str], ShardReport], threads: int) -> list[ShardReport]:
+def _run_all(shards: list[str], one: Callable[[str], T], threads: int) -> list[T]:
     # Checking is mostly waiting on storage and decoding (which releases the GIL): threads suffice.
     if threads == 1 or len(shards) == 1:
-        return [verify_one(rel) for rel in shards]
+        return [one(rel) for rel in shards]
     with ThreadPoolExecutor(threads) as pool:
-        return list(pool.map(verify_one, shards))
+        return list(pool.map(one, shards))
 
 
 def _finish(
@@ -199,12 +186,15 @@ def _finish(
     reports: list[ShardReport],
     summary: dict[str, Any],
     report_path: str | None,
-    main: Location,
+    layout: DatasetLayout,
+    overlay_failures: dict[str, str] | None = None,
 ) -> int:
     passed = all(r.passed for r in reports)
     print(header)
     _print_summary(reports, summary)
-    if links := symlink_report(main):
+    for rel, reason in sorted((overlay_failures or {}).items()):
+        print(f"OVERLAYS FAILED on {rel}: {reason}")
+    if links := symlink_report(layout.main):
         print(links)
     if report_path:
         document = {
@@ -213,13 +203,16 @@ def _finish(
             "shards": [r.to_dict() for r in reports],
             "dataset": summary,
         }
+        if overlay_failures is not None:
+            document["overlay_failures"] = overlay_failures
         try:
-            _write_text(report_path, json.dumps(document, indent=2, sort_keys=False), protect=[main])
+            folder, name = Location.file(report_path)
+            folder.write_bytes(name, json.dumps(document, indent=2, sort_keys=False).encode(), protect=layout.read_only)
         except (OSError, ValueError) as exc:
             return usage_error(f"could not write the report {report_path}: {exc}")
         print(f"report: {report_path}")
     print("PASSED" if passed else "FAILED")
-    return 0 if passed else 1
+    return 0 if passed and not overlay_failures else 1
 
 
 def _print_summary(reports: list[ShardReport], summary: dict[str, Any]) -> None:
@@ -256,18 +249,3 @@ def _print_summary(reports: list[ShardReport], summary: dict[str, Any]) -> None:
 def _short(text: Any, limit: int = 120) -> str:
     text = "" if text is None else str(text).replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _write_text(path: str, text: str, protect: Sequence[Location]) -> None:
-    """A local file (written atomically), or an S3 object written in one PUT; never inside main."""
-    target = Location.parse(path)
-    for protected in protect:
-        _check_report_path(path, protected)
-    if target.is_s3:
-        parent, _, name = path.rstrip("/").rpartition("/")
-        if not name or parent in ("s3:", "s3:/"):
-            raise ValueError(f"{path!r} needs a key under a bucket")
-        Location.parse(parent).write_bytes(name, text.encode(), protect=protect)
-        return
-    file_path = Path(target.path)
-    Location.parse(file_path.parent).write_bytes(file_path.name, text.encode(), protect=protect)

@@ -85,7 +85,31 @@ def audit_arrays(audit_prefix: str, records: list[AuditRecord]) -> dict[str, pa.
     }
 
 
+class AuditColumnsError(ValueError):
+    """A table lacks audit columns, or holds them with the wrong types."""
+
+
+def audit_values(table: pa.Table, audit_prefix: str) -> dict[str, list]:
+    """field -> the values of its audit column, for every field of SPEC 5 (how every reader reads audits).
+
+    Raises AuditColumnsError naming the missing columns.
+    """
+    missing = [audit_column(audit_prefix, f) for f in AUDIT_TYPES if audit_column(audit_prefix, f) not in table.column_names]
+    if missing:
+        raise AuditColumnsError(f"audit columns missing: {missing}")
+    return {f: table.column(audit_column(audit_prefix, f)).to_pylist() for f in AUDIT_TYPES}
+
+
+def audit_type_problems(schema: pa.Schema, audit_prefix: str) -> dict[str, str]:
+    """Audit column -> its type, for every audit column of `schema` whose type is not SPEC 5's."""
+    return {
+        name: str(schema.field(name).type)
+        for f, dtype in AUDIT_TYPES.items()
+        if (name := audit_column(audit_prefix, f)) in schema.names and schema.field(name).type != dtype
+    }
+
+
 def read_audit_records(table: pa.Table, audit_prefix: str) -> list[AuditRecord]:
-    """Audit records back from a resized shard's columns (the crop sidecar and verifier use this)."""
-    columns = {name: table.column(audit_column(audit_prefix, name)).to_pylist() for name in AUDIT_TYPES}
-    return [AuditRecord(**{name: columns[name][i] for name in AUDIT_TYPES}) for i in range(table.num_rows)]
+    """Audit records back from a resized shard's columns (the crop sidecar reads them so)."""
+    values = audit_values(table, audit_prefix)
+    return [AuditRecord(**{f: values[f][i] for f in AUDIT_TYPES}) for i in range(table.num_rows)]

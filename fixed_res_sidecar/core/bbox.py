@@ -61,11 +61,15 @@ from typing import Any, NamedTuple
 
 from fixed_res_sidecar.core import orientation as exif
 from fixed_res_sidecar.core.audit import AuditRecord
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 
 # Bump when the output of this module changes for the same input: skip-existing compares it.
 CROP_BBOX_VERSION = 1
 
 DEFAULT_BBOX_KEYS = ("bbox", "box_2d", "bbox_2d")
+# The sidecar's columns besides the key (SPEC 6): one crop caption per resolution, and the meta.
+CROP_COLUMNS = {name: f"structured_description_crop_{name}" for name in RESOLUTIONS}
+META_COLUMN = "bbox_resize_meta"
 CAPTION_FRAMES = ("oriented", "raw")
 GRID = 1000  # boxes are normalised to 0..GRID
 EDGE_TOLERANCE = 1e-6  # grid units; a value this far past an edge still counts as inside
@@ -192,12 +196,13 @@ def parse_box(value: Any) -> tuple[float, float, float, float] | None:
     return ymin, xmin, ymax, xmax
 
 
-def raw_box_to_oriented(
+def caption_box_to_oriented(
     box: tuple[float, float, float, float], orientation: int
 ) -> tuple[float, float, float, float]:
-    """A well-formed [ymin, xmin, ymax, xmax] grid box made on the raw pixels, in the displayed frame.
+    """A well-formed caption box ([ymin, xmin, ymax, xmax] on the 0..1000 grid) drawn on the raw
+    pixels, in the displayed frame.
 
-    The mapping is core/orientation.py's (the transposes of ImageOps.exif_transpose) on the
+    The mapping is core/orientation.py's pixel-box mapping (x0, y0, x1, y1) applied on the
     0..1000 grid; an orientation outside 1..8 leaves the box as it is.
     """
     ymin, xmin, ymax, xmax = box
@@ -226,7 +231,7 @@ def transform_box(value: Any, frame: CropFrame, orientation: int = 1) -> tuple[l
     box = parse_box(value)
     if box is None:
         return None, BoxOutcome.MALFORMED
-    ymin, xmin, ymax, xmax = box if orientation == exif.UPRIGHT else raw_box_to_oriented(box, orientation)
+    ymin, xmin, ymax, xmax = box if orientation == exif.UPRIGHT else caption_box_to_oriented(box, orientation)
     unclipped = (frame.to_crop_y(ymin), frame.to_crop_x(xmin), frame.to_crop_y(ymax), frame.to_crop_x(xmax))
     result = [_round_half_up(min(max(v, 0.0), GRID)) for v in unclipped]
     if result[0] >= result[2] or result[1] >= result[3]:

@@ -32,8 +32,8 @@ import math
 import numbers
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from importlib import metadata
 
@@ -140,6 +140,12 @@ class PixelOptions:
             raise ValueError("invalid PixelOptions: " + "; ".join(problems))
         if self.background is not None:
             object.__setattr__(self, "background", tuple(self.background))
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, object]) -> "PixelOptions":
+        """The options named in `values` (command-line arguments, a dataset's settings); others default."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in names})
 
 
 @dataclass

@@ -9,7 +9,7 @@ to Dagster and turns a `ShardReport` into check results:
   run and stops `crop_bbox` of that shard in the same run; across runs the automation
   condition of `crop_bbox` waits for them to pass.
 - `<dataset>/crop_bbox` carries the sidecar checks (columns, keys, boxes, meta against the
-  audits, overlays written).
+  audits).
 - `<dataset>/main` carries `dataset_summary`: shard counts and bytes of main, 512, 1024 and
   the sidecar, and which shards are missing (WARN: missing shards are normal mid-backfill).
 """
@@ -25,6 +25,7 @@ from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.partitions import partition_key_problem
 from fixed_res_sidecar.shards import verify
+from fixed_res_sidecar.shards.listing import dataset_summary
 
 RESIZED_CHECK_DESCRIPTIONS = {
     verify.SHARD_COMPLETE: "SPEC 7.1: the output shard exists and its row count equals the main shard's.",
@@ -45,9 +46,7 @@ CROP_CHECK_DESCRIPTIONS = {
     verify.KEYS_MATCH: "The key column equals the main shard's, every row, in order.",
     verify.BOXES_VALID: "Every non-null box in the crop columns is four integers in 0..1000 with min <= max.",
     verify.META_MATCHES_AUDIT: "bbox_resize_meta's validity, sizes, crop box and scale agree with both resize audits.",
-    verify.OVERLAYS_WRITTEN: "Overlay pictures of sampled rows were drawn (original | 512 | 1024 with their boxes).",
 }
-CROP_CHECKS = (*verify.CROP_BBOX_CHECKS, verify.OVERLAYS_WRITTEN)
 DATASET_CHECK_NAME = "dataset_summary"
 LISTED_MISSING = 50  # at most this many shard names per list in the dataset check's metadata
 # Check metadata name -> dataset output, for the dataset check.
@@ -73,7 +72,10 @@ def resized_check_specs(keys: DatasetKeys, resolution: str, partitions: dg.Parti
 
 
 def crop_check_specs(keys: DatasetKeys, partitions: dg.PartitionsDefinition) -> list[dg.AssetCheckSpec]:
-    return [partitioned_check_spec(name, keys.crop_bbox, CROP_CHECK_DESCRIPTIONS[name], partitions) for name in CROP_CHECKS]
+    return [
+        partitioned_check_spec(name, keys.crop_bbox, description, partitions)
+        for name, description in CROP_CHECK_DESCRIPTIONS.items()
+    ]
 
 
 # -- report -> Dagster ------------------------------------------------------------------------
@@ -163,7 +165,7 @@ def summarize_dataset(dataset: DatasetConfig) -> tuple[bool, dict[str, Any], str
     """
     main_sizes = dataset.main.shard_sizes()  # listed once: also needed for unusable keys below
     locations = {name: dataset.output(output) for name, output in DATASET_CHECK_OUTPUTS.items()}
-    full = verify.dataset_summary(dataset.main, locations, main_sizes=main_sizes)
+    full = dataset_summary(dataset.main, locations, main_sizes=main_sizes)
     main_shards = full["main"]["shards"]
     metadata: dict[str, Any] = {"main_shards": main_shards, "main_bytes": full["main"]["total_bytes"]}
     summary: dict[str, Any] = {"main": full["main"], "outputs": {}, "listed_at_most": LISTED_MISSING}

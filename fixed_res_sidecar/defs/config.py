@@ -1,7 +1,7 @@
 """The datasets file: which main datasets the Dagster layer builds, and how.
 
-One YAML file (`datasets.yaml` at the repo root by default, or the file named by the
-environment variable `SIDECAR_DATASETS`) lists the datasets. It is validated with pydantic
+One YAML file (the file named by the environment variable `SIDECAR_DATASETS`, else
+`datasets.yaml` in the current folder) lists the datasets. It is validated with pydantic
 when the definitions load, and refused as a whole, before any work, with one line per
 problem naming the dataset and the field:
 
@@ -54,16 +54,12 @@ from pydantic import (
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.pixels import OUTPUT_FORMATS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import (
-    Location,
-    LocationError,
-    check_output_location,
-)
-from fixed_res_sidecar.shards.resize import ResizedOutput
+from fixed_res_sidecar.io.locations import Location, LocationError, check_writable
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resized_output
+from fixed_res_sidecar.shards.verify import VerifyOptions
 
 DATASETS_ENV = "SIDECAR_DATASETS"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DATASETS_FILE = REPO_ROOT / "datasets.yaml"
+DEFAULT_DATASETS_FILE = "datasets.yaml"  # in the current folder, when SIDECAR_DATASETS is not set
 
 # Dagster job, sensor and group names allow [A-Za-z0-9_]; asset keys and partition set names
 # are derived from the dataset name too, so it is held to that and must start with a letter.
@@ -251,78 +247,40 @@ class DatasetConfig(_Strict):
     # -- what the Dagster layer uses --------------------------------------------------------
 
     @cached_property
-    def main(self) -> Location:
-        return Location.parse(self.main_prefix)
-
-    @cached_property
-    def captions(self) -> Location | None:
-        return Location.parse(self.caption_prefix) if self.caption_prefix else None
+    def layout(self) -> DatasetLayout:
+        return DatasetLayout(
+            Location.parse(self.main_prefix),
+            {name: resized_output(name, getattr(self.outputs, f"resized_{name}"), self.audit_prefix(name)) for name in RESOLUTIONS},
+            sidecar=Location.parse(self.outputs.crop_bbox),
+            captions=Location.parse(self.caption_prefix) if self.caption_prefix else None,
+            reports=Location.parse(self.outputs.reports),
+            key_column=self.key_column,
+            image_column=self.image_column,
+            caption_column=self.caption_column,
+            bbox_keys=self.bbox_keys,
+            caption_frame=self.caption_frame,
+        )
 
     @property
-    def read_only(self) -> list[Location]:
-        """The locations nothing may be written at, inside or above: main, and the caption dataset."""
-        return [self.main, *([self.captions] if self.captions else [])]
+    def main(self) -> Location:
+        return self.layout.main
+
+    def audit_prefix(self, resolution: str) -> str:
+        return getattr(self, f"audit_prefix_{resolution}")
 
     def output(self, name: str) -> Location:
         """`resized_512`, `resized_1024`, `crop_bbox` or `reports`."""
-        return Location.parse(getattr(self.outputs, name))
-
-    @property
-    def resized_512(self) -> ResizedOutput:
-        return self.resized("512")
-
-    @property
-    def resized_1024(self) -> ResizedOutput:
-        return self.resized("1024")
+        return self.layout.outputs()[name]
 
     def resized(self, resolution: str) -> ResizedOutput:
         """The resized output of resolution "512" or "1024": location, target area, audit prefix."""
-        area = RESOLUTIONS[resolution].area
-        return ResizedOutput(self.output(f"resized_{resolution}"), area, getattr(self, f"audit_prefix_{resolution}"))
-
-    def report_location(self, what: str) -> Location:
-        """Reports of one kind (`resized_512`, `resized_1024`, `crop_bbox`, `overlays`) under `reports`."""
-        return Location.parse(self.output("reports").child(what))
+        return self.layout.resized[resolution]
 
     def pixel_options(self) -> PixelOptions:
-        return PixelOptions(
-            patch_size=self.patch_size,
-            square=self.square,
-            output_format=self.output_format,
-            quality=self.quality,
-            webp_method=self.webp_method,
-            max_source_pixels=self.limits.max_source_pixels,
-            max_aspect_ratio=self.limits.max_aspect_ratio,
-            min_source_side=self.limits.min_source_side,
-            background=self.background,
-        )
+        return PixelOptions.from_values({**self.model_dump(), **self.limits.model_dump()})
 
-    def location_problems(self) -> list[tuple[str, str]]:
-        """(field, message) for every output that overlaps the main, the captions or another output."""
-        problems = []
-        for name in OUTPUT_NAMES:
-            output = self.output(name)
-            try:
-                check_output_location(self.main, output, name)
-            except LocationError as exc:
-                problems.append((f"outputs.{name}", str(exc)))
-            if self.captions is not None and output.overlaps(self.captions):
-                problems.append(
-                    (f"outputs.{name}", f"{output.uri} is at, inside or above the caption dataset {self.captions.uri}")
-                )
-        for i, first in enumerate(OUTPUT_NAMES):
-            for second in OUTPUT_NAMES[i + 1 :]:
-                if self.output(first).overlaps(self.output(second)):
-                    problems.append(
-                        (
-                            f"outputs.{second}",
-                            (
-                                f"{self.output(second).uri} is at, inside or above outputs.{first} "
-                                f"({self.output(first).uri}); each output needs its own location"
-                            ),
-                        )
-                    )
-        return problems
+    def verify_options(self) -> VerifyOptions:
+        return VerifyOptions(patch_size=self.patch_size, square=self.square, sample=self.verify_sample)
 
 
 class SidecarConfig(_Strict):
@@ -342,7 +300,7 @@ class SidecarConfig(_Strict):
 
 
 def datasets_file() -> Path:
-    """The datasets file in use: `$SIDECAR_DATASETS`, else the repo's datasets.yaml."""
+    """The datasets file in use: `$SIDECAR_DATASETS`, else `datasets.yaml` in the current folder."""
     return Path(os.environ.get(DATASETS_ENV) or DEFAULT_DATASETS_FILE).expanduser().resolve()
 
 
@@ -352,7 +310,10 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     try:
         raw = yaml.safe_load(file.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{file}: no such datasets file (set {DATASETS_ENV} to choose another)") from None
+        raise ConfigError(
+            f"{file}: no such datasets file; set {DATASETS_ENV} to the datasets file to use "
+            "(or run from the folder holding datasets.yaml)"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: not valid YAML: {exc}") from None
     return parse_config(raw, base_dir=file.parent, source=str(file))
@@ -413,7 +374,7 @@ def _format_errors(source: str, raw: Mapping[str, Any], exc: ValidationError) ->
 
 
 def _cross_checks(config: SidecarConfig) -> list[str]:
-    """Checks across fields and datasets: names, and outputs against every read-only location."""
+    """Checks across fields and datasets: names, and every output against every input and output."""
     problems = []
     seen: dict[str, int] = {}
     for index, dataset in enumerate(config.datasets):
@@ -423,26 +384,18 @@ def _cross_checks(config: SidecarConfig) -> list[str]:
                 f"and #{index + 1}; names must be unique (they name asset keys, groups and partitions)"
             )
         seen.setdefault(dataset.name, index)
-        for field, message in dataset.location_problems():
-            problems.append(f"dataset {dataset.name!r}, field {field!r}: {message}")
-    # Across datasets: nothing is written into another dataset's inputs or outputs.
-    for dataset in config.datasets:
-        for other in config.datasets:
-            if other is dataset:
-                continue
-            for name in OUTPUT_NAMES:
-                output = dataset.output(name)
-                if output.overlaps(other.main):
-                    problems.append(
-                        f"dataset {dataset.name!r}, field 'outputs.{name}': {output.uri} is at, inside or above "
-                        f"the main dataset of dataset {other.name!r} ({other.main.uri})"
-                    )
-                if other.name > dataset.name or other.name == dataset.name:
-                    continue  # each pair of outputs once
-                for other_name in OUTPUT_NAMES:
-                    if output.overlaps(other.output(other_name)):
-                        problems.append(
-                            f"dataset {dataset.name!r}, field 'outputs.{name}': {output.uri} overlaps "
-                            f"outputs.{other_name} of dataset {other.name!r} ({other.output(other_name).uri})"
-                        )
+        for name, message in dataset.layout.location_problems():
+            problems.append(f"dataset {dataset.name!r}, field 'outputs.{name}': {message}")
+    # Across datasets: nothing is written into another dataset's main, captions or outputs.
+    for index, dataset in enumerate(config.datasets):
+        others = []
+        for other in config.datasets[:index] + config.datasets[index + 1 :]:
+            others += [(f"{what} of dataset {other.name!r}", location) for what, location in other.layout.described_read_only()]
+        for other in config.datasets[:index]:  # each pair of outputs once
+            others += [(f"outputs.{name} of dataset {other.name!r}", location) for name, location in other.layout.outputs().items()]
+        for name, output in dataset.layout.outputs().items():
+            try:
+                check_writable(output, others, what="the output")
+            except LocationError as exc:
+                problems.append(f"dataset {dataset.name!r}, field 'outputs.{name}': {exc}")
     return problems

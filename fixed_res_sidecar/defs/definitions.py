@@ -17,7 +17,8 @@ from fixed_res_sidecar.defs.checks import dataset_check
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig, load_config
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
-from fixed_res_sidecar.defs.resources import default_resources, run_tags
+from fixed_res_sidecar.defs.resources import default_resources
+from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.defs.sensors import automation_sensor, discovery_sensor
 
 DATASET_CHECK_CRON = "0 * * * *"  # hourly; the check lists three prefixes, cheap next to the shards
@@ -38,7 +39,7 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         selection=shard_job_selection(keys),
         executor_def=dg.in_process_executor,
         # `tags`, not `run_tags`: job backfills copy the job's tags onto every run they create.
-        tags=run_tags(dataset),
+        tags=dataset_run_tags(dataset),
         description=(
             f"Resize, verify and crop one shard of {dataset.name} (one run per shard/partition). "
             "Backfill it from the UI to build many shards."
@@ -48,7 +49,7 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         keys.dataset_check_job,
         selection=dg.AssetSelection.checks(keys.dataset_check),
         executor_def=dg.in_process_executor,
-        tags=run_tags(dataset),
+        tags=dataset_run_tags(dataset),
         description=f"Shard counts and bytes of {dataset.name}'s main, 512, 1024 and crop_bbox datasets.",
     )
     check_schedule = dg.ScheduleDefinition(

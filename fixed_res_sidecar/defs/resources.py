@@ -13,7 +13,6 @@ import os
 
 import dagster as dg
 
-from fixed_res_sidecar.defs import run_resources
 
 RESOURCE_KEY = "sidecar"
 
@@ -66,14 +65,3 @@ def runtime_from_env() -> SidecarRuntime:
 
 def default_resources() -> dict[str, object]:
     return {RESOURCE_KEY: runtime_from_env()}
-
-
-def run_tags(dataset) -> dict[str, str]:
-    """Tags on every run of one dataset (shard runs, automation runs, backfills of its job).
-
-    From `run_resources.run_tags`: `fixed_res_sidecar/dataset` (dagster.yaml limits runs per
-    unique value), and the dataset's CPU and memory as `dagster-k8s/config` and
-    `dagster-ray/config`, read by the K8s and Ray run launchers (deploy/).
-    """
-    resources = dataset.run_resources
-    return run_resources.run_tags(resources.cpu, resources.memory_gb, dataset=dataset.name)

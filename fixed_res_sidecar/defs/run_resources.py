@@ -12,7 +12,7 @@ from the dataset config; the launcher learns it from standard tags on the run:
 
 Each launcher ignores the other's tag, so both are always set and deploy/dagster.yaml
 decides which one is used. `dataset=` adds the tag that deploy/dagster.yaml's
-per-dataset run concurrency limit counts.
+per-dataset run concurrency limit counts; `dataset_run_tags` gives all of a dataset's tags.
 
 Memory is in GiB (2**30 bytes), as `--task-memory-gb` of the CLI.
 """
@@ -26,7 +26,7 @@ DATASET_TAG = "fixed_res_sidecar/dataset"  # deploy/dagster.yaml limits runs per
 GIB = 2**30
 
 
-def run_tags(cpu: float, memory_gb: float, *, dataset: str | None = None) -> dict[str, str]:
+def launcher_tags(cpu: float, memory_gb: float, *, dataset: str | None = None) -> dict[str, str]:
     """Tags that make a run's pod (K8s) or Ray job get `cpu` CPUs and `memory_gb` GiB."""
     cpu, memory_gb = _positive("cpu", cpu), _positive("memory_gb", memory_gb)
     cpu_quantity, memory_quantity = k8s_cpu(cpu), k8s_memory(memory_gb)
@@ -45,6 +45,15 @@ def run_tags(cpu: float, memory_gb: float, *, dataset: str | None = None) -> dic
             raise ValueError("dataset must be a non-empty name")
         tags[DATASET_TAG] = dataset
     return tags
+
+
+def dataset_run_tags(dataset) -> dict[str, str]:
+    """Tags on every run of one dataset (`DatasetConfig`): shard runs, automation runs, backfills.
+
+    `fixed_res_sidecar/dataset` (dagster.yaml limits runs per unique value), and the dataset's
+    CPU and memory as `dagster-k8s/config` and `dagster-ray/config`.
+    """
+    return launcher_tags(dataset.run_resources.cpu, dataset.run_resources.memory_gb, dataset=dataset.name)
 
 
 def k8s_cpu(cpu: float) -> str:

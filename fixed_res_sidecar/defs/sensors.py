@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import dagster as dg
 
+from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.defs.partitions import (
@@ -28,7 +29,8 @@ from fixed_res_sidecar.defs.partitions import (
     partition_key_problem,
     shard_partitions,
 )
-from fixed_res_sidecar.defs.resources import SidecarRuntime, run_tags
+from fixed_res_sidecar.defs.resources import SidecarRuntime
+from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.io.locations import Location
 
 LISTING_PAGE_SIZE = 1000
@@ -114,7 +116,7 @@ def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[s
             metadata["bytes"] = dg.MetadataValue.int(main.size(rel) or 0)
             metadata["dagster/row_count"] = dg.MetadataValue.int(main.parquet_file(rel).metadata.num_rows)
         except Exception as exc:  # noqa: BLE001 - unreadable: say so here, the shard run reports it in full
-            metadata["error"] = dg.MetadataValue.text(f"{type(exc).__name__}: {exc}"[:500])
+            metadata["error"] = dg.MetadataValue.text(describe_exception(exc, max_chars=500))
         return rel, metadata
 
     if not rels:
@@ -137,7 +139,7 @@ def shard_run_request(dataset: DatasetConfig, rel: str) -> dg.RunRequest:
         run_key=f"shard:{rel}",
         partition_key=rel,
         job_name=DatasetKeys(dataset.name).shard_job,
-        tags=run_tags(dataset),
+        tags=dataset_run_tags(dataset),
     )
 
 
@@ -208,27 +210,9 @@ def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDef
         target=dg.AssetSelection.groups(keys.group),
         default_status=dg.DefaultSensorStatus.RUNNING,
         minimum_interval_seconds=AUTOMATION_INTERVAL_SECONDS,
-        run_tags=run_tags(dataset),
+        run_tags=dataset_run_tags(dataset),
         description=(
             f"Builds {keys.crop_bbox.to_user_string()} of a shard once both verifiers' blocking checks passed "
             "for it (and re-verifies shards whose resized outputs were rebuilt)."
         ),
     )
-
-
-def apply_tick(instance: dg.DagsterInstance, result: dg.SensorResult) -> list[str]:
-    """Do in-process what the sensor daemon does with a tick's result, except launching runs.
-
-    Records the asset events and adds the partitions; returns the added keys. The demo uses
-    this to register shards without a daemon; runs are then executed by the caller.
-    """
-    for event in result.asset_events or []:
-        instance.report_runless_asset_event(event)
-    added: list[str] = []
-    for request in result.dynamic_partitions_requests or []:
-        existing = set(instance.get_dynamic_partitions(request.partitions_def_name))
-        new = [key for key in request.partition_keys if key not in existing]
-        if new:
-            instance.add_dynamic_partitions(request.partitions_def_name, new)
-            added.extend(new)
-    return added

@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
@@ -110,7 +110,7 @@ class Location:
             yield [rel for rel, _ in page]
 
     def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
-        """Every shard's relative path at any depth, sorted."""
+        """Every shard's (or, with another `suffix`, file's) relative path at any depth, sorted."""
         return list(self.shard_sizes(suffix))
 
     def shard_sizes(self, suffix: str = SHARD_SUFFIX) -> dict[str, int]:
@@ -202,9 +202,7 @@ class Location:
         """
         rel = _check_rel(rel)
         target = Location.parse(self.child(rel)) if self.is_s3 else Location(self.scheme, "", str(Path(self.path, rel)))
-        for protected in protect:
-            if target.overlaps(protected):
-                raise LocationError(f"refusing to write {target.uri}: it is at, inside or above {protected.uri}, which is read-only")
+        check_writable(target, [("the read-only location", p) for p in protect], what="refusing to write")
         if self.is_s3:
             with tempfile.TemporaryDirectory(prefix="sidecar-") as tmp_dir:
                 tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
@@ -229,6 +227,18 @@ class Location:
         with self.write_atomic(rel, protect) as tmp:
             Path(tmp).write_bytes(data)
 
+    @classmethod
+    def file(cls, uri: str | os.PathLike) -> tuple["Location", str]:
+        """A single file's URI as (its folder, its name), to write it like any other `rel`."""
+        target = cls.parse(uri)
+        if target.is_s3:
+            folder, _, name = target.path.rpartition("/")
+            if not name:
+                raise LocationError(f"{target.uri!r} needs a key under a bucket")
+            return cls("s3", target.bucket, folder), name
+        path = Path(target.path)
+        return cls("file", "", str(path.parent)), path.name
+
     def remove_stale_temporaries(self, rel: str, older_than: float = 0.0) -> int:
         """Delete temporaries a crashed local write left beside `rel`, if older than `older_than` s.
 
@@ -250,13 +260,21 @@ class Location:
         return removed
 
 
-def check_output_location(main: Location, output: Location, what: str = "output") -> None:
+def check_writable(output: Location, others: Iterable[tuple[str, Location]], what: str = "output") -> None:
+    """Refuse an output at, inside or above any of `others` ((description, location) pairs).
+
+    SPEC 2's one rule: nothing is written at, inside or above the main dataset (or any other
+    input, or another output). Configuration checks, the command line and the write path
+    all ask this function.
+    """
+    for description, location in others:
+        if output.overlaps(location):
+            raise LocationError(f"{what} {output.uri} is at, inside or above {description} {location.uri}")
+
+
+def check_output_location(main: Location, output: Location, what: str = "output location") -> None:
     """Refuse an output at, inside or above the main dataset (SPEC 2)."""
-    if output.overlaps(main):
-        raise LocationError(
-            f"{what} location {output.uri} is at, inside or above the main dataset {main.uri}; "
-            "the main dataset is read-only"
-        )
+    check_writable(output, [("the read-only main dataset", main)], what)
 
 
 def _refuse_protected_real_path(path: Path, protect: Sequence[Location]) -> None:

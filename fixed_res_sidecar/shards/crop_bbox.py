@@ -21,38 +21,26 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.audit import AuditRecord, audit_columns, read_audit_records
 from fixed_res_sidecar.core.bbox import (
-    CAPTION_FRAMES,
     CROP_BBOX_VERSION,
-    DEFAULT_BBOX_KEYS,
+    CROP_COLUMNS,
+    META_COLUMN,
     BoxCounts,
     CaptionStatus,
     RowResult,
     crop_captions_for_row,
 )
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
-from fixed_res_sidecar.io.locations import (
-    Location,
-    LocationError,
-    check_output_location,
-)
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.parquet import ShardError, open_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import (
     encode_settings,
     is_up_to_date,
     read_settings,
 )
 
-CROP_COLUMNS = {name: f"structured_description_crop_{name}" for name in RESOLUTIONS}
-META_COLUMN = "bbox_resize_meta"
 BATCH_ROWS = 4096  # rows read per step; only keys, captions and audit numbers are held
 OUTPUT_ROW_GROUP_ROWS = 16384
-
-
-class CropBboxInputError(RuntimeError):
-    """An input shard that cannot be used for this main shard (missing, wrong rows or keys); names it."""
-
-
-class CropBboxGateError(CropBboxInputError):
-    """A resized shard that has not passed its verifier (SPEC 7 gate); names it and the failed checks."""
 
 
 @dataclass
@@ -89,16 +77,7 @@ class CropBboxResult:
         )
 
 
-def crop_bbox_settings(
-    *,
-    key_column: str,
-    caption_column: str,
-    caption_location: Location | None,
-    audit_prefixes: dict[str, str],
-    bbox_keys: Sequence[str],
-    caption_frame: str,
-    resized_settings: dict[str, Any],
-) -> dict[str, Any]:
+def crop_bbox_settings(layout: DatasetLayout, resized_settings: dict[str, Any]) -> dict[str, Any]:
     """Everything that decides the sidecar's bytes; skip-existing compares it.
 
     The resized shards' own recorded settings are included: when a resized shard is rebuilt
@@ -107,12 +86,12 @@ def crop_bbox_settings(
     return {
         "kind": "crop_bbox",
         "version": CROP_BBOX_VERSION,
-        "key_column": key_column,
-        "caption_column": caption_column,
-        "caption_location": caption_location.uri if caption_location else None,
-        "audit_prefixes": dict(audit_prefixes),
-        "bbox_keys": list(bbox_keys),
-        "caption_frame": caption_frame,
+        "key_column": layout.key_column,
+        "caption_column": layout.caption_column,
+        "caption_location": layout.captions.uri if layout.captions else None,
+        "audit_prefixes": {name: output.audit_prefix for name, output in layout.resized.items()},
+        "bbox_keys": list(layout.building_bbox_keys),
+        "caption_frame": layout.building_caption_frame,
         "resized_settings": resized_settings,
     }
 
@@ -125,6 +104,10 @@ class _Input:
     uri: str  # of the shard
     shard: pq.ParquetFile
     columns: list[str]
+
+
+def _open_input(role: str, location: Location, rel: str, columns: list[str], rows: int | None = None) -> _Input:
+    return _Input(role, location.child(rel), open_shard(location, rel, role, columns=columns, rows=rows), columns)
 
 
 class _Tally:
@@ -151,73 +134,51 @@ class _Tally:
 
 
 def build_crop_bbox_shard(
-    main: Location,
+    layout: DatasetLayout,
     rel: str,
-    resized_512: Location,
-    resized_1024: Location,
-    output: Location,
     *,
-    key_column: str = "image_key",
-    caption_column: str = "structured_description",
-    caption_location: Location | None = None,
-    audit_prefix_512: str = RESOLUTIONS["512"].audit_prefix,
-    audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix,
-    bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
-    caption_frame: str = "oriented",
     skip_existing: bool = False,
     gate: Callable[[str], None] | None = None,
 ) -> CropBboxResult:
-    """Write `output/rel`: the crop captions and `bbox_resize_meta` of every row of `main/rel`.
+    """Write `sidecar/rel`: the crop captions and `bbox_resize_meta` of every row of `main/rel`.
 
-    Raises CropBboxInputError, naming the shard, when an input shard is missing, unreadable,
-    lacks a column, or disagrees with the main shard in row count or keys. Nothing is written
-    then (a mismatch found while streaming aborts the atomic write). A main shard without
-    `caption_column` gives every row the caption status `missing`; a caption dataset
-    (`caption_location`) without it is an error.
+    Raises ShardError, naming the shard, when an input shard is missing, unreadable, lacks a
+    column, or disagrees with the main shard in row count or keys. Nothing is written then (a
+    mismatch found while streaming aborts the atomic write). A main shard without the caption
+    column gives every row the caption status `missing`; a caption dataset without it is an error.
 
     `gate(rel)`, when given, runs once the inputs are open and the shard is not skipped as up
-    to date, before anything is written; it raises (e.g. CropBboxGateError) to refuse the build.
+    to date, before anything is written; it raises (e.g. verify.GateError) to refuse the build.
     """
     started = time.monotonic()
-    if caption_frame not in CAPTION_FRAMES:
-        raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
-    bbox_keys = tuple(bbox_keys)
-    if not bbox_keys:
-        raise ValueError("bbox_keys must name at least one key")
-    resized = {"512": resized_512, "1024": resized_1024}
-    audit_prefixes = {"512": audit_prefix_512, "1024": audit_prefix_1024}
-    input_locations = [main, *([caption_location] if caption_location else []), *resized.values()]
-    check_output_locations(main, output, input_locations)
+    output = layout.sidecar
+    if output is None or set(layout.resized) != set(RESOLUTIONS):
+        raise ValueError(f"the crop sidecar needs a sidecar location and the resized outputs {list(RESOLUTIONS)}")
+    layout.check_locations()
+    key_column, caption_column = layout.key_column, layout.caption_column
 
     # The caption comes from the main shard unless a caption dataset is configured; a main
     # shard without the caption column has no captions (every row `missing`).
-    main_input = _open_input("main", main, rel, [key_column])
-    captions_in_main = caption_location is None and caption_column in main_input.shard.schema_arrow.names
+    main_input = _open_input("main", layout.main, rel, [key_column])
+    captions_in_main = layout.captions is None and caption_column in main_input.shard.schema_arrow.names
     if captions_in_main:
         main_input.columns.append(caption_column)
     rows = main_input.shard.metadata.num_rows
     inputs = [main_input]
-    if caption_location is not None:
-        inputs.append(_open_input("caption", caption_location, rel, [key_column, caption_column], rows))
+    if layout.captions is not None:
+        inputs.append(_open_input("caption", layout.captions, rel, [key_column, caption_column], rows))
     for name in RESOLUTIONS:
-        audit_names = [f.name for f in audit_columns(audit_prefixes[name])]
-        inputs.append(_open_input(f"resized {name}", resized[name], rel, [key_column, *audit_names], rows))
+        resized = layout.resized[name]
+        audit_names = [f.name for f in audit_columns(resized.audit_prefix)]
+        inputs.append(_open_input(f"resized {name}", resized.location, rel, [key_column, *audit_names], rows))
     caption_input: _Input | None = None  # None: no captions at all
-    if caption_location is not None:
+    if layout.captions is not None:
         caption_input = inputs[1]
     elif captions_in_main:
         caption_input = main_input
     resized_inputs = dict(zip(RESOLUTIONS, inputs[-2:]))
 
-    settings = crop_bbox_settings(
-        key_column=key_column,
-        caption_column=caption_column,
-        caption_location=caption_location,
-        audit_prefixes=audit_prefixes,
-        bbox_keys=bbox_keys,
-        caption_frame=caption_frame,
-        resized_settings={name: read_settings(i.shard) for name, i in resized_inputs.items()},
-    )
+    settings = crop_bbox_settings(layout, {name: read_settings(i.shard) for name, i in resized_inputs.items()})
     if skip_existing and is_up_to_date(output, rel, rows, settings):
         return CropBboxResult(rel, "skipped", rows, seconds=time.monotonic() - started)
     if gate is not None:
@@ -226,16 +187,16 @@ def build_crop_bbox_shard(
     schema = pa.schema(
         [
             main_input.shard.schema_arrow.field(key_column),
-            pa.field(CROP_COLUMNS["512"], pa.string()),
-            pa.field(CROP_COLUMNS["1024"], pa.string()),
+            *(pa.field(CROP_COLUMNS[name], pa.string()) for name in RESOLUTIONS),
             pa.field(META_COLUMN, pa.string(), nullable=False),
         ],
         metadata=encode_settings(settings),
     )
     tally = _Tally()
-    main_uri = main.child(rel)
+    main_uri = layout.main.child(rel)
+    bbox_keys, caption_frame = layout.building_bbox_keys, layout.building_caption_frame
     with (
-        output.write_atomic(rel, protect=input_locations) as tmp,
+        output.write_atomic(rel, protect=[*layout.read_only, *(o.location for o in layout.resized.values())]) as tmp,
         pq.ParquetWriter(tmp, schema, compression="zstd") as writer,
     ):
         pending: list[pa.RecordBatch] = []
@@ -246,14 +207,14 @@ def build_crop_bbox_shard(
             for source in inputs[1:]:
                 _check_keys(keys, by_role[source.role].column(0), row_offset, main_uri, source)
             audits = {
-                name: read_audit_records(pa.Table.from_batches([by_role[i.role]]), audit_prefixes[name])
+                name: read_audit_records(pa.Table.from_batches([by_role[i.role]]), layout.resized[name].audit_prefix)
                 for name, i in resized_inputs.items()
             }
             captions = by_role[caption_input.role].column(1).to_pylist() if caption_input else [None] * len(keys)
             try:
                 columns = _crop_columns(keys, captions, audits, bbox_keys, caption_frame, tally)
             except ValueError as exc:  # a resized shard's audit is inconsistent
-                raise CropBboxInputError(f"{main_uri}, rows from {row_offset}: {exc}") from exc
+                raise ShardError(f"{main_uri}, rows from {row_offset}: {exc}") from exc
             pending.append(pa.record_batch(columns, schema=schema))
             pending_rows += len(keys)
             row_offset += len(keys)
@@ -263,7 +224,7 @@ def build_crop_bbox_shard(
         if pending:
             writer.write_table(pa.Table.from_batches(pending, schema), row_group_size=OUTPUT_ROW_GROUP_ROWS)
         if row_offset != rows:  # the footers agreed with each other, so a file is corrupt
-            raise CropBboxInputError(f"{main_uri}: read {row_offset} rows, its footer says {rows}")
+            raise ShardError(f"{main_uri}: read {row_offset} rows, its footer says {rows}")
     return CropBboxResult(
         rel, "built", rows, tally.as_dict(), time.monotonic() - started, caption_column_missing=caption_input is None
     )
@@ -293,38 +254,6 @@ def _crop_columns(
     return [keys, *(pa.array(crops[name], pa.string()) for name in RESOLUTIONS), pa.array(metas, pa.string())]
 
 
-def check_output_locations(main: Location, output: Location, inputs: Sequence[Location]) -> None:
-    """Refuse an output at, inside or above the main dataset or any other input."""
-    check_output_location(main, output, "crop-bbox output")
-    for location in inputs:
-        if output.overlaps(location):
-            raise LocationError(
-                f"crop-bbox output location {output.uri} is at, inside or above the input dataset {location.uri}"
-            )
-
-
-def _open_input(
-    role: str, location: Location, rel: str, columns: list[str], expected_rows: int | None = None
-) -> _Input:
-    """Open `location/rel` (footer only), checking it exists, has `columns` and `expected_rows`."""
-    uri = location.child(rel)
-    try:
-        shard = location.parquet_file(rel) if location.exists(rel) else None
-    except Exception as exc:
-        raise CropBboxInputError(f"{role} shard {uri} is not a readable Parquet file ({exc})") from exc
-    if shard is None:
-        raise CropBboxInputError(f"{role} shard {uri} does not exist (build it first)")
-    names = shard.schema_arrow.names
-    missing = [c for c in columns if c not in names]
-    if missing:
-        raise CropBboxInputError(f"{role} shard {uri} lacks column(s) {missing}; it has {names}")
-    if expected_rows is not None and shard.metadata.num_rows != expected_rows:
-        raise CropBboxInputError(
-            f"{role} shard {uri} has {shard.metadata.num_rows} rows, the main shard has {expected_rows}"
-        )
-    return _Input(role, uri, shard, columns)
-
-
 def _batches(shard: pq.ParquetFile, columns: list[str]) -> Iterator[pa.RecordBatch]:
     # use_threads=False: the shards of a run are already processed in parallel.
     return shard.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
@@ -342,7 +271,7 @@ def _aligned(sources: list[Iterator[pa.RecordBatch]]) -> Iterator[list[pa.Record
         if all(batch is None for batch in held):
             return
         if any(batch is None for batch in held):
-            raise CropBboxInputError("an input shard ended before the others (its footer row count is wrong)")
+            raise ShardError("an input shard ended before the others (its footer row count is wrong)")
         n = min(batch.num_rows for batch in held)
         yield [batch.slice(0, n) for batch in held]
         held = [batch.slice(n) for batch in held]
@@ -354,14 +283,14 @@ def _check_keys(expected: pa.Array, actual: pa.Array, row_offset: int, main_uri:
         try:
             actual = actual.cast(expected.type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-            raise CropBboxInputError(
+            raise ShardError(
                 f"{what}: key column type {actual.type} does not match the main shard's {expected.type}"
             ) from exc
     if actual.equals(expected):
         return
     for i, (want, got) in enumerate(zip(expected.to_pylist(), actual.to_pylist())):
         if want != got:
-            raise CropBboxInputError(
+            raise ShardError(
                 f"{what}: key at row {row_offset + i} is {got!r}, the main shard {main_uri} has {want!r}"
             )
-    raise CropBboxInputError(f"{what}: keys differ from the main shard {main_uri} near row {row_offset}")
+    raise ShardError(f"{what}: keys differ from the main shard {main_uri} near row {row_offset}")

@@ -1,285 +1,96 @@
-"""Overlay pictures for the crop-bbox verifier (SPEC 7).
+"""Overlay pictures of sampled rows of a crop sidecar shard: which rows, and where the PNGs go.
 
-Three panels side by side, all the same height: the original (shown upright, EXIF
-orientation applied) with the boxes of `structured_description`, the 512 image with the
-`structured_description_crop_512` boxes, and the 1024 image with the
-`structured_description_crop_1024` boxes. Box number i has the same colour and label in
-every panel, so a reviewer can see at a glance whether a box still sits on its object.
-
-Images here are untrusted input, decoded as carefully as by the resize: only the formats
-core/pixels.py accepts are opened, and an image whose header gives more than
-`max_source_pixels` pixels is not decoded at all (its panel says so). Box slots come from
-core/bbox.py's walker and EXIF orientation from core/orientation.py, so a picture shows
-what the resize and the sidecar did, not a second opinion.
+Not a verifier check: the pictures are for people. Each shows the original with its caption
+boxes, the 512 image with `structured_description_crop_512` and the 1024 image with
+`structured_description_crop_1024` (core/overlay.py draws them). They go to
+`<overlay dir>/<rel without .parquet>/<row>-<key>.png`.
 """
 
-import io
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from PIL import Image, ImageDraw, ImageFont
-
-from fixed_res_sidecar.core.bbox import (
-    CAPTION_FRAMES,
-    DEFAULT_BBOX_KEYS,
-    BoxSlot,
-    box_slots,
-    parse_box,
-    raw_box_to_oriented,
-)
-from fixed_res_sidecar.core.orientation import (
-    oriented_size,
-    read_orientation,
-    to_upright,
-)
-from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
-
-PANEL_HEIGHT = 384
-TITLE_HEIGHT = 22  # title strip above each panel
-PANEL_GAP = 8  # background strip between panels
-BOX_STROKE = 3
-BACKGROUND = (32, 32, 32)
-PLACEHOLDER = (96, 96, 96)
-# Sasha Trubetskoy's distinct colours; box i gets BOX_COLOURS[i % len(BOX_COLOURS)].
-BOX_COLOURS = (
-    (230, 25, 75),
-    (60, 180, 75),
-    (255, 225, 25),
-    (0, 130, 200),
-    (245, 130, 48),
-    (145, 30, 180),
-    (70, 240, 240),
-    (240, 50, 230),
-    (210, 245, 60),
-    (250, 190, 212),
-    (0, 128, 128),
-    (170, 110, 40),
-)
-LABEL_KEYS = ("label", "name", "category", "object", "text")
-DEFAULT_MAX_SOURCE_PIXELS = PixelOptions().max_source_pixels
+from fixed_res_sidecar.core.audit import audit_column
+from fixed_res_sidecar.core.bbox import CROP_COLUMNS
+from fixed_res_sidecar.core.image_cell import image_bytes
+from fixed_res_sidecar.core.overlay import overlay_picture
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.parquet import open_shard, read_columns
+from fixed_res_sidecar.shards.layout import DatasetLayout
+from fixed_res_sidecar.shards.settings import SidecarReading
+from fixed_res_sidecar.shards.verify.report import column_or_nulls, read_rows, sample_rows, shard_stem
 
 
-@dataclass(frozen=True)
-class LabelledSlot:
-    """A box slot of a caption (core/bbox.py's walk) with the label drawn next to its box."""
+def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sample: int) -> list[str]:
+    """Draw up to `sample` overlay pictures of shard `rel` under `overlay_dir`; returns their URIs.
 
-    index: int  # walk order: the same object has the same index in the original and its crops
-    path: str
-    value: Any
-    label: str
-
-
-def iter_box_slots(
-    caption: Any, bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False
-) -> list[LabelledSlot]:
-    """Every box slot of a parsed caption, in walk order, with its label.
-
-    The slots are core/bbox.py's (`box_slots`); `crop_frame` for a crop variant. A box is
-    named by its object's label (the first text among LABEL_KEYS of the object holding the
-    box key), else by the last part of that object's path, else by the box key; the
-    elements of a list of boxes add their position.
+    Rows are sampled as for the verifier's images (the same rows every run). Box keys and the
+    caption frame are the layout's, else what the sidecar recorded; no image with more pixels
+    than the resized shards' source limit is decoded. Raises ShardError (naming the shard)
+    when an input cannot be read, LocationError when the pictures would land in a read-only
+    location.
     """
-    slots = box_slots(caption, bbox_keys, crop_frame=crop_frame)
-    return [LabelledSlot(s.index, s.path, s.value, _label(s)) for s in slots]
+    sidecar_uri = layout.sidecar.child(rel)
+    with open_shard(layout.sidecar, rel, "sidecar", columns=[layout.key_column, *CROP_COLUMNS.values()]) as sidecar:
+        table = read_columns(sidecar, [layout.key_column, *CROP_COLUMNS.values()], sidecar_uri)
+        recorded = SidecarReading.of(sidecar)
+    keys = column_or_nulls(table, layout.key_column)
+    crops = {resolution: column_or_nulls(table, column) for resolution, column in CROP_COLUMNS.items()}
+    rows = sample_rows(_candidates(layout, rel, table.num_rows, crops), sample, rel)
+
+    def cells(location: Location, column: str, role: str) -> dict[int, Any]:
+        with open_shard(location, rel, role) as parquet_file:
+            if column not in parquet_file.schema_arrow.names:
+                return {}
+            return {row: values[column] for row, values in read_rows(parquet_file, rows, [column]).items()}
+
+    originals = cells(layout.main, layout.image_column, "main")
+    captions = cells(layout.caption_source, layout.caption_column, "caption")
+    resized = {name: cells(o.location, layout.image_column, f"resized {name}") for name, o in layout.resized.items()}
+    options = {
+        "bbox_keys": layout.bbox_keys or recorded.bbox_keys,
+        "caption_frame": layout.caption_frame or recorded.caption_frame,
+        "max_source_pixels": recorded.max_source_pixels,
+    }
+    stem = shard_stem(rel)
+    written = []
+    for row in rows:
+        png = overlay_picture(
+            image_bytes(originals.get(row)) or None,
+            captions.get(row),
+            image_bytes(resized["512"].get(row)) or None,
+            crops["512"][row],
+            image_bytes(resized["1024"].get(row)) or None,
+            crops["1024"][row],
+            **options,
+        )
+        target = f"{stem}/{row:06d}-{_safe_name(keys[row])}.png"
+        overlay_dir.write_bytes(target, png, protect=layout.read_only)
+        written.append(overlay_dir.child(target))
+    return written
 
 
-def _label(slot: BoxSlot) -> str:
-    holder, holder_path = slot.holder, slot.holder_path
-    own = next((holder[k] for k in LABEL_KEYS if isinstance(holder.get(k), str)), None)
-    label = own or (holder_path.rsplit(".", 1)[-1] if holder_path else str(slot.key))
-    return label if slot.item is None else f"{label}[{slot.item}]"
+def _candidates(layout: DatasetLayout, rel: str, rows: int, crops: dict[str, list]) -> list[int]:
+    """Rows worth an overlay picture, from the first of these that has any.
 
-
-@dataclass
-class _Panel:
-    title: str
-    image: Image.Image  # already scaled to the panel height
-    boxes: list[tuple[LabelledSlot, tuple[float, float, float, float]]]
-
-
-def overlay_picture(
-    original: bytes | None,
-    caption: str | None,
-    img_512: bytes | None,
-    crop_512: str | None,
-    img_1024: bytes | None,
-    crop_1024: str | None,
-    *,
-    panel_height: int = PANEL_HEIGHT,
-    bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
-    caption_frame: str = "oriented",
-    labels: Sequence[str] = ("original", "512", "1024"),
-    max_source_pixels: int = DEFAULT_MAX_SOURCE_PIXELS,
-) -> bytes:
-    """A PNG: original | 512 | 1024, each with its own boxes; a missing image is a grey panel.
-
-    The original is shown upright. Caption boxes are in that upright frame (SPEC 6),
-    unless `caption_frame` is "raw": then they are moved through the EXIF orientation.
-    An image in a refused format, or with more than `max_source_pixels` pixels by its
-    header, is not decoded: its panel is grey and its title says why.
+    Rows with captions in both crop frames say the most; then rows valid at both resolutions,
+    then at either. Rows whose resize was invalid (the source may be a bomb or garbage) are
+    drawn only when no row has a resized image; even then nothing refused is decoded.
     """
-    if caption_frame not in CAPTION_FRAMES:
-        raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
-    limit = max_source_pixels
-    panels = [
-        _original_panel(original, caption, labels[0], panel_height, bbox_keys, caption_frame == "raw", limit),
-        _resized_panel(img_512, crop_512, labels[1], panel_height, bbox_keys, limit),
-        _resized_panel(img_1024, crop_1024, labels[2], panel_height, bbox_keys, limit),
-    ]
-    return _compose(panels, panel_height)
+    both = [r for r in range(rows) if crops["512"][r] is not None and crops["1024"][r] is not None]
+    if both:
+        return both
+    valid = []
+    for name, output in layout.resized.items():
+        column = audit_column(output.audit_prefix, "valid")
+        with open_shard(output.location, rel, f"resized {name}", columns=[column], rows=rows) as parquet_file:
+            valid.append(read_columns(parquet_file, [column], output.location.child(rel)).column(column).to_pylist())
+    for tier in (all, any):
+        candidates = [r for r in range(rows) if tier(flags[r] is True for flags in valid)]
+        if candidates:
+            return candidates
+    return list(range(rows))
 
 
-def overlay_width(panel_widths: Sequence[int]) -> int:
-    """Width of the picture for the given panel widths (the layout used by `overlay_picture`)."""
-    return sum(panel_widths) + PANEL_GAP * (len(panel_widths) - 1)
-
-
-def panel_width(width: int, height: int, panel_height: int = PANEL_HEIGHT) -> int:
-    """Width of a `width x height` image scaled to the panel height."""
-    return max(1, round(width * panel_height / height))
-
-
-def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame, max_source_pixels) -> _Panel:
-    image, problem = _decode(data, max_source_pixels, draft_to=panel_height)
-    if image is None:
-        return _placeholder(f"{label}: {problem}", panel_height)
-    full_size = image.info.get("full_size", image.size)  # before shrink-on-load
-    orientation = read_orientation(image)  # as the resize read it
-    upright = to_upright(image, orientation)
-    width, height = oriented_size(full_size, orientation)
-    title = f"{label} {width}x{height}" + (f" (EXIF {orientation})" if orientation != 1 else "")
-    move = (lambda box: raw_box_to_oriented(box, orientation)) if raw_frame else None
-    boxes, caption_problem = _panel_boxes(caption, bbox_keys, move)
-    title += f", {len(boxes)} boxes" if caption_problem is None else f", caption {caption_problem}"
-    return _Panel(title, _scaled(upright, panel_height), boxes)
-
-
-def _resized_panel(data, crop_caption, label, panel_height, bbox_keys, max_source_pixels) -> _Panel:
-    image, problem = _decode(data, max_source_pixels)
-    if image is None:
-        return _placeholder(f"{label}: {problem}", panel_height)
-    boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys, crop_frame=True)
-    title = f"{label} {image.width}x{image.height}"
-    title += f", {len(boxes)} boxes" if caption_problem is None else f", crop caption {caption_problem}"
-    return _Panel(title, _scaled(image, panel_height), boxes)
-
-
-def _panel_boxes(caption: str | None, bbox_keys, move=None, crop_frame: bool = False) -> tuple[list, str | None]:
-    """(slot, box) for every drawable box of a caption, and what is wrong with the caption."""
-    if caption is None:
-        return [], "missing"
-    try:
-        parsed = json.loads(caption)
-    except (TypeError, ValueError):
-        return [], "invalid JSON"
-    boxes = []
-    for slot in iter_box_slots(parsed, bbox_keys, crop_frame=crop_frame):
-        box = parse_box(slot.value)
-        if box is not None:
-            boxes.append((slot, move(box) if move else box))
-    return boxes, None
-
-
-def _decode(
-    data: bytes | None, max_source_pixels: int, draft_to: int | None = None
-) -> tuple[Image.Image | None, str | None]:
-    """The decoded image, or None and why not; refused formats and oversized headers are never decoded."""
-    if not data:
-        return None, "no image"
-    try:
-        image = open_image(data)  # header only, allowed formats only
-        full_size = image.size
-        if too_many_pixels(*full_size, max_source_pixels):
-            return None, f"not decoded, {full_size[0]}x{full_size[1]} exceeds max_source_pixels={max_source_pixels}"
-        if draft_to and image.format == "JPEG":
-            # Shrink-on-load: both sides stay >= the panel height, enough in either orientation.
-            image.draft("RGB", (draft_to, draft_to))
-        image.load()
-        image.info["full_size"] = full_size
-        return image, None
-    except Exception as exc:
-        return None, f"does not decode ({type(exc).__name__})"
-
-
-def _scaled(image: Image.Image, panel_height: int) -> Image.Image:
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        flat = Image.new("RGBA", rgba.size, PLACEHOLDER + (255,))
-        image = Image.alpha_composite(flat, rgba)
-    image = image.convert("RGB")
-    size = (panel_width(image.width, image.height, panel_height), panel_height)
-    return image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
-
-
-def _placeholder(title: str, panel_height: int) -> _Panel:
-    return _Panel(title, Image.new("RGB", (panel_height, panel_height), PLACEHOLDER), [])
-
-
-def _font(size: int) -> ImageFont.ImageFont:
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:  # Pillow without FreeType: the fixed bitmap font
-        return ImageFont.load_default()
-
-
-def _compose(panels: list[_Panel], panel_height: int) -> bytes:
-    width = overlay_width([p.image.width for p in panels])
-    canvas = Image.new("RGB", (width, TITLE_HEIGHT + panel_height), BACKGROUND)
-    draw = ImageDraw.Draw(canvas)
-    title_font, label_font = _font(14), _font(12)
-    left = 0
-    for panel in panels:
-        canvas.paste(panel.image, (left, TITLE_HEIGHT))
-        draw.text((left + 4, 3), panel.title, fill=(240, 240, 240), font=title_font)
-        placed = [(slot, _offset(box_pixels(box, panel.image.size), left, TITLE_HEIGHT)) for slot, box in panel.boxes]
-        # Every rectangle first, then every label, so no later box hides an earlier label.
-        for slot, rect in placed:
-            _draw_rectangle(draw, rect, _colour(slot))
-        labels_at: dict[tuple[int, int], int] = {}
-        for slot, rect in placed:
-            # Captions often repeat a box (an object and a group holding it): stack their labels.
-            stacked = labels_at.get(rect[:2], 0)
-            labels_at[rect[:2]] = stacked + 1
-            _draw_label(draw, rect, f"{slot.index} {slot.label}".strip(), _colour(slot), stacked, label_font)
-        left += panel.image.width + PANEL_GAP
-    out = io.BytesIO()
-    canvas.save(out, "PNG", compress_level=1)  # review pictures: fast beats small
-    return out.getvalue()
-
-
-def _colour(slot: LabelledSlot) -> tuple[int, int, int]:
-    return BOX_COLOURS[slot.index % len(BOX_COLOURS)]
-
-
-def _offset(rect: tuple[int, int, int, int], left: int, top: int) -> tuple[int, int, int, int]:
-    x0, y0, x1, y1 = rect
-    return x0 + left, y0 + top, x1 + left, y1 + top
-
-
-def box_pixels(box: tuple[float, float, float, float], panel_size: tuple[int, int]) -> tuple[int, int, int, int]:
-    """A normalised yxyx box as panel pixels (x0, y0, x1, y1), right/bottom inclusive."""
-    ymin, xmin, ymax, xmax = box
-    width, height = panel_size
-    x0, x1 = round(xmin / 1000 * width), round(xmax / 1000 * width) - 1
-    y0, y1 = round(ymin / 1000 * height), round(ymax / 1000 * height) - 1
-    return x0, y0, max(x0, x1), max(y0, y1)
-
-
-def _draw_rectangle(draw: ImageDraw.ImageDraw, rect: tuple[int, int, int, int], colour) -> None:
-    x0, y0, x1, y1 = rect
-    # A thin dark rim outside the coloured stroke keeps the box visible on any background.
-    draw.rectangle((x0 - 1, y0 - 1, x1 + 1, y1 + 1), outline=(0, 0, 0), width=1)
-    draw.rectangle(rect, outline=colour, width=BOX_STROKE)
-
-
-def _draw_label(draw: ImageDraw.ImageDraw, rect, text: str, colour, stacked: int, font) -> None:
-    text_box = draw.textbbox((0, 0), text, font=font)
-    text_w, text_h = text_box[2] - text_box[0] + 4, text_box[3] - text_box[1] + 4
-    # Inside the box's top-left corner, below the stroke, so the left edge stays visible.
-    tx, ty = rect[0] + BOX_STROKE, rect[1] + BOX_STROKE + stacked * (text_h + 1)
-    draw.rectangle((tx, ty, tx + text_w - 1, ty + text_h - 1), fill=colour)
-    luminance = 0.299 * colour[0] + 0.587 * colour[1] + 0.114 * colour[2]
-    ink = (0, 0, 0) if luminance > 140 else (255, 255, 255)
-    draw.text((tx + 2 - text_box[0], ty + 2 - text_box[1]), text, fill=ink, font=font)
+def _safe_name(key: Any) -> str:
+    """A key as a file-name part: keys may hold slashes or anything else."""
+    text = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+    return text.strip(".")[:80] or "row"

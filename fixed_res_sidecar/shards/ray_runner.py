@@ -31,9 +31,11 @@ from typing import Any
 import ray
 import ray.exceptions as ray_errors
 
-from fixed_res_sidecar.shards.runner import Progress, RunSummary
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.shards.runner import Progress, RunSummary, machine_cores
 
 GIB = 2**30
+FIRST_LINE_CHARS = 500  # of a Ray error's text in a failure message
 
 # The task's process or node went away, or its result was lost with a node: run it again.
 # (RayTaskError is not here: it wraps an exception raised by the job itself.)
@@ -118,18 +120,12 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         except Exception as exc:
             raise RayConnectionError(
                 f"cannot connect to the Ray cluster at {target!r} (from --ray-address or RAY_ADDRESS): "
-                f"{type(exc).__name__}: {exc}"
+                f"{describe_exception(exc)}"
             ) from exc
         return "remote"
     # address="local" always starts a fresh instance (never attaches to a stray one).
-    ray.init(address="local", num_cpus=_machine_cores(), include_dashboard=False, **options)
+    ray.init(address="local", num_cpus=machine_cores(), include_dashboard=False, **options)
     return "local"
-
-
-def _machine_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def _task_resources(task_cpus: float, task_memory_gb: float, *, local: bool, progress: Progress) -> tuple[float, int]:
@@ -186,7 +182,7 @@ def _collect(ref, rel: str, max_attempts: int, summary: RaySummary, progress: Pr
     try:
         result = ray.get(ref)
     except LOST_TASK_ERRORS as exc:
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        reason = describe_exception(exc, max_chars=FIRST_LINE_CHARS)
         if attempt < max_attempts:
             _note(progress, f"{rel}: Ray task lost on attempt {attempt}/{max_attempts} ({reason}); retrying")
             return True
@@ -194,22 +190,17 @@ def _collect(ref, rel: str, max_attempts: int, summary: RaySummary, progress: Pr
     except ray_errors.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException) and not isinstance(cause, ray_errors.RayError):
-            summary.failures[rel] = f"{type(cause).__name__}: {cause}"
+            summary.failures[rel] = describe_exception(cause)
         else:
-            summary.failures[rel] = f"{type(exc).__name__}: {_first_line(exc)}"
+            summary.failures[rel] = describe_exception(exc, max_chars=FIRST_LINE_CHARS)
     except Exception as exc:  # noqa: BLE001 - unschedulable, runtime env setup, cancelled: not worth retrying
-        summary.failures[rel] = f"{type(exc).__name__}: {_first_line(exc)}"
+        summary.failures[rel] = describe_exception(exc, max_chars=FIRST_LINE_CHARS)
     else:
         summary.results[rel] = result
         progress.shard_finished(rel, result)
         return False
     progress.shard_finished(rel, error=summary.failures[rel])
     return False
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _note(progress: Progress, message: str) -> None:

@@ -23,6 +23,7 @@ from fixed_res_sidecar.core.audit import (
     audit_arrays,
     audit_columns,
 )
+from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type
 from fixed_res_sidecar.core.pixels import (
     ImageResult,
@@ -31,7 +32,8 @@ from fixed_res_sidecar.core.pixels import (
     pipeline_settings,
     process_image,
 )
-from fixed_res_sidecar.io.locations import Location, check_output_location
+from fixed_res_sidecar.io.parquet import ShardError, open_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import encode_settings, is_up_to_date
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
@@ -39,19 +41,6 @@ SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
 # Bump when a code change alters output bytes or columns: skip-existing then rebuilds. Not the
 # package version, which would rebuild billions of images for unrelated releases.
 RESIZE_OUTPUT_VERSION = 1
-
-
-class ShardError(RuntimeError):
-    """A shard that cannot be processed at all (unreadable, wrong columns); names the shard."""
-
-
-@dataclass(frozen=True)
-class ResizedOutput:
-    """One resized dataset: where it goes, its target area and its audit column prefix."""
-
-    location: Location
-    area: int
-    audit_prefix: str
 
 
 @dataclass
@@ -99,49 +88,45 @@ def build_settings(
 
 
 def build_resized_shard(
-    main: Location,
+    layout: DatasetLayout,
     rel: str,
-    outputs: Sequence[ResizedOutput],
     *,
-    key_column: str = "image_key",
-    image_column: str = "image",
+    resolutions: Sequence[str] | None = None,
     options: PixelOptions = PixelOptions(),
     threads: int = 1,
     skip_existing: bool = False,
     on_rows: Callable[[int], None] | None = None,
 ) -> ShardResult:
-    """Resize every image of `main/rel` into each of `outputs`; returns what was done."""
+    """Resize every image of `main/rel` into each resized output of `layout` (or those of
+    `resolutions`), from one decode per image; returns what was done."""
     started = time.monotonic()
+    outputs = [layout.resized[name] for name in (resolutions if resolutions is not None else layout.resized)]
     if not outputs:
         raise ValueError("at least one output is required")
-    for output in outputs:
-        check_output_location(main, output.location)
-    source = _open_main_shard(main, rel, key_column, image_column)
+    layout.check_locations()
+    source = _open_main_shard(layout, rel)
     rows = source.metadata.num_rows
-    settings = {o: build_settings(o, options, key_column, image_column) for o in outputs}
+    settings = {o: build_settings(o, options, layout.key_column, layout.image_column) for o in outputs}
     todo = [o for o in outputs if not (skip_existing and is_up_to_date(o.location, rel, rows, settings[o]))]
     summaries = {o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped") for o in outputs}
     if todo:
-        _build(source, main, rel, todo, settings, summaries, key_column, image_column, options, threads, on_rows)
+        _build(source, layout, rel, todo, settings, summaries, options, threads, on_rows)
     return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
 
 
-def _open_main_shard(main: Location, rel: str, key_column: str, image_column: str) -> pq.ParquetFile:
-    try:
-        source = main.parquet_file(rel)
-        names = source.schema_arrow.names
-    except Exception as exc:
-        raise ShardError(f"{main.child(rel)}: not a readable Parquet file ({exc})") from exc
-    missing = [c for c in (key_column, image_column) if c not in names]
-    if missing:
-        raise ShardError(f"{main.child(rel)}: missing column(s) {missing}; it has {names}")
-    image_type = source.schema_arrow.field(image_column).type
+def _open_main_shard(layout: DatasetLayout, rel: str) -> pq.ParquetFile:
+    source = open_shard(layout.main, rel, "main", columns=[layout.key_column, layout.image_column])
+    image_type = source.schema_arrow.field(layout.image_column).type
     if not is_image_type(image_type):
-        raise ShardError(f"{main.child(rel)}: image column {image_column!r} has type {image_type}, expected bytes")
+        raise ShardError(
+            f"main shard {layout.main.child(rel)}: image column {layout.image_column!r} has type {image_type}, "
+            "expected bytes"
+        )
     return source
 
 
-def _build(source, main, rel, todo, settings, summaries, key_column, image_column, options, threads, on_rows):
+def _build(source, layout: DatasetLayout, rel, todo, settings, summaries, options, threads, on_rows):
+    key_column, image_column = layout.key_column, layout.image_column
     key_field = source.schema_arrow.field(key_column)
     image_field = source.schema_arrow.field(image_column)
     areas = [o.area for o in todo]
@@ -151,7 +136,7 @@ def _build(source, main, rel, todo, settings, summaries, key_column, image_colum
         for output in todo:
             schema = pa.schema([key_field, image_field, *audit_columns(output.audit_prefix)])
             schema = schema.with_metadata(encode_settings(settings[output]))
-            tmp = stack.enter_context(output.location.write_atomic(rel, protect=[main]))
+            tmp = stack.enter_context(output.location.write_atomic(rel, protect=layout.read_only))
             writer = pq.ParquetWriter(
                 tmp,
                 schema,
@@ -218,7 +203,7 @@ def _process_row(data: bytes | None, areas: list[int], options: PixelOptions) ->
     try:
         return process_image(data, areas, options)
     except Exception as exc:  # process_image should not raise; if it does, the row is still audited
-        detail = f"unexpected {type(exc).__name__}: {exc}"
+        detail = describe_exception(exc)
         return [ImageResult(AuditRecord(error=ErrorCode.DECODE_ERROR.value, error_detail=detail), None) for _ in areas]
 
 

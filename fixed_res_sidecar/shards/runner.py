@@ -21,6 +21,8 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from fixed_res_sidecar.core.errors import describe_exception
+
 
 @dataclass
 class RunSummary:
@@ -58,10 +60,16 @@ class Progress:
         )
 
 
+def machine_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def local_workers(max_inflight: int, task_cpus: int) -> int:
     """At most `max_inflight`, and no more than the cores allow at `task_cpus` each."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(max_inflight, cores // max(1, task_cpus)))
+    return max(1, min(max_inflight, machine_cores() // max(1, task_cpus)))
 
 
 def run_shards(
@@ -135,7 +143,7 @@ def _run_pool(pool, job, batch, workers, summary, progress) -> tuple[list[str], 
             except BrokenProcessPool:
                 lost.append(rel)
             except Exception as exc:
-                summary.failures[rel] = f"{type(exc).__name__}: {exc}"
+                summary.failures[rel] = describe_exception(exc)
                 progress.shard_finished(rel, error=summary.failures[rel])
             else:
                 summary.results[rel] = result

@@ -5,10 +5,14 @@ changes the bytes of an output belongs here.
 """
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
+from fixed_res_sidecar.core.pixels import PixelOptions
 
 SETTINGS_KEY = b"fixed_res_sidecar.settings"
 
@@ -42,3 +46,34 @@ def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, An
 def _normalised(settings: dict[str, Any]) -> dict[str, Any]:
     # Round-trip through JSON so tuples compare equal to the lists read back.
     return json.loads(json.dumps(settings, sort_keys=True))
+
+
+@dataclass(frozen=True)
+class SidecarReading:
+    """How a crop sidecar shard says its captions are to be read, from its recorded settings
+    (SPEC 6's defaults where it recorded none): what the verifier and the overlays use."""
+
+    bbox_keys: tuple[str, ...] = DEFAULT_BBOX_KEYS
+    caption_frame: str = CAPTION_FRAMES[0]
+    # The smallest source limit its resized shards were built with: overlays decode nothing larger.
+    max_source_pixels: int = PixelOptions().max_source_pixels
+
+    @classmethod
+    def of(cls, parquet_file: pq.ParquetFile) -> "SidecarReading":
+        try:
+            settings = read_settings(parquet_file)
+        except Exception:  # a foreign or damaged footer: the defaults
+            settings = None
+        if not isinstance(settings, dict):
+            return cls()
+        keys = settings.get("bbox_keys")
+        frame = settings.get("caption_frame")
+        resized = settings.get("resized_settings")
+        limits = [s.get("max_source_pixels") for s in (resized.values() if isinstance(resized, dict) else ()) if isinstance(s, dict)]
+        limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        default = cls()
+        return cls(
+            tuple(keys) if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys) else default.bbox_keys,
+            frame if frame in CAPTION_FRAMES else default.caption_frame,
+            min(limits) if limits else default.max_source_pixels,
+        )

@@ -74,7 +74,7 @@ def test_a_failing_shard_does_not_stop_the_others(sample_build, tmp_path, capsys
     assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
     out = capsys.readouterr().out
     assert f"{len(shards) - 1} built, 0 skipped, 1 failed" in out
-    assert f"FAILED {broken}: CropBboxInputError: resized 512 shard" in out
+    assert f"FAILED {broken}: ShardError: resized 512 shard" in out
     written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*.parquet"))
     assert written == [rel for rel in shards if rel != broken]
 
@@ -98,7 +98,7 @@ def test_bad_configuration_does_no_work(sample_build, tmp_path, capsys):
     assert not inside_main.exists()
 
     assert run_cli(cli_args(main, out_512, out_1024, out_1024.location.uri)) == 2
-    assert "input dataset" in capsys.readouterr().err
+    assert "resized_1024 output" in capsys.readouterr().err
 
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -142,7 +142,7 @@ def test_gate_a_resized_shard_that_fails_the_verifier_fails_only_its_shard(sampl
     out = capsys.readouterr().out
     assert f"{len(shards) - 1} built, 0 skipped, 1 failed" in out
     failure = next(line for line in out.splitlines() if line.startswith(f"  FAILED {damaged}:"))
-    assert f"CropBboxGateError: resized 1024 shard {out_1024.location.child(damaged)} did not pass the verifier" in failure
+    assert f"GateError: resized 1024 shard {out_1024.location.child(damaged)} did not pass the verifier" in failure
     assert "audit_consistent" in failure and f"row {row}" in failure and "valid row has no image" in failure
     assert "resized 512 shard" not in failure  # the 512 shard passed
     written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*.parquet"))
@@ -157,7 +157,7 @@ def test_gate_decodes_verify_sample_images(sample_build, tmp_path, capsys):
     output = tmp_path / "sidecar"
     assert run_cli(cli_args(main, out_512, out_1024, output)) == 1
     out = capsys.readouterr().out
-    assert f"FAILED {damaged}: CropBboxGateError: resized 512 shard" in out and "sample_images" in out
+    assert f"FAILED {damaged}: GateError: resized 512 shard" in out and "sample_images" in out
     # With no images decoded the gate checks rows, keys and audit only, and this shard passes.
     assert run_cli(cli_args(main, out_512, out_1024, output, "--verify-sample", "0", "--skip-existing")) == 0
     assert "1 built, 2 skipped, 0 failed" in capsys.readouterr().out

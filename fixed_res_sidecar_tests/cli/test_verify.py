@@ -12,7 +12,9 @@ import pytest
 from fixed_res_sidecar.cli import verify as verify_cli
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.shards.crop_bbox import CROP_COLUMNS, build_crop_bbox_shard
+from fixed_res_sidecar.core.bbox import CROP_COLUMNS
+from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
 
 REL = "nested/b/part-00002.parquet"
 
@@ -25,16 +27,12 @@ def run(*argv: str) -> int:
 
 
 @pytest.fixture
-def paths(sample_build, tmp_path) -> dict[str, Path]:
-    main, (out_512, out_1024) = sample_build
-    sidecar = Location.parse(tmp_path / "sidecar")
-    for rel in main.list_shards():
-        build_crop_bbox_shard(main, rel, out_512.location, out_1024.location, sidecar)
+def paths(sidecar_build) -> dict[str, Path]:
     return {
-        "main": Path(main.path),
-        "512": Path(out_512.location.path),
-        "1024": Path(out_1024.location.path),
-        "sidecar": Path(sidecar.path),
+        "main": Path(sidecar_build.main.path),
+        "512": Path(sidecar_build.r512.path),
+        "1024": Path(sidecar_build.r1024.path),
+        "sidecar": Path(sidecar_build.sidecar.path),
     }
 
 
@@ -132,7 +130,7 @@ def test_report_and_overlays_through_a_symlink_into_main_are_refused(paths, tmp_
     (overlays / "nested").symlink_to(paths["main"] / "nested")  # where nested shards' pictures go
     assert run(*crop_args(paths, "--overlay-dir", overlays)) == 1
     out = capsys.readouterr().out
-    assert "FAILED overlays_written on nested/a/part-00001.parquet" in out and "symbolic links" in out
+    assert "OVERLAYS FAILED on nested/a/part-00001.parquet" in out and "symbolic links" in out
     assert tree_snapshot(paths["main"]) == before
 
 
@@ -177,7 +175,8 @@ def test_verify_crop_bbox_box_keys_default_to_the_sidecars_settings(paths, capsy
     index = source.schema.get_field_index("structured_description")
     pq.write_table(source.set_column(index, source.schema.field(index), pa.array(captions, pa.string())), paths["main"] / REL)
     sidecar = Location.parse(paths["sidecar"])
-    build_crop_bbox_shard(main, REL, Location.parse(paths["512"]), Location.parse(paths["1024"]), sidecar, bbox_keys=["region"])
+    layout = sidecar_layout(main, Location.parse(paths["512"]), Location.parse(paths["1024"]), sidecar, bbox_keys=["region"])
+    build_crop_bbox_shard(layout, REL)
     assert run(*crop_args(paths, "--shard", REL)) == 0
     capsys.readouterr()
 

@@ -21,7 +21,7 @@ from fixed_res_sidecar.core.bbox import (
     is_valid_crop_box,
     map_box_slots,
     parse_caption,
-    raw_box_to_oriented,
+    caption_box_to_oriented,
     transform_box,
     transform_caption,
 )
@@ -409,7 +409,7 @@ def test_raw_to_oriented_matches_pillow_exif_transpose(orientation):
     disp_w, disp_h = displayed.size
 
     raw_box = (top / raw_h * 1000, left / raw_w * 1000, bottom / raw_h * 1000, right / raw_w * 1000)
-    ymin, xmin, ymax, xmax = raw_box_to_oriented(raw_box, orientation)
+    ymin, xmin, ymax, xmax = caption_box_to_oriented(raw_box, orientation)
     got = (xmin / 1000 * disp_w, ymin / 1000 * disp_h, xmax / 1000 * disp_w, ymax / 1000 * disp_h)
     assert got == pytest.approx((dx0, dy0, dx1, dy1), abs=1e-9)
 

@@ -72,10 +72,11 @@ def instance():
 
 def register(instance: dg.DagsterInstance, config: SidecarConfig, name: str | None = None) -> list[str]:
     """Register every shard of a dataset as a partition and observe it, as the sensor does."""
-    from fixed_res_sidecar.defs.sensors import apply_tick, discovery_tick
+    from fixed_res_sidecar.defs.sensors import discovery_tick
+    from fixed_res_sidecar.demo import apply_sensor_result
 
     dataset = config.dataset(name) if name else config.datasets[0]
-    return apply_tick(instance, discovery_tick(dataset, set(), None))
+    return apply_sensor_result(instance, discovery_tick(dataset, set(), None))
 
 
 def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection=None) -> dg.ExecuteInProcessResult:

@@ -68,14 +68,14 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     for name in ("resized_512", "resized_1024", "crop_bbox"):
         assert dataset.output(name).exists(rel) and not dataset.output(name).exists(other)
     for what in ("resized_512", "resized_1024", "crop_bbox"):
-        report = json.loads(dataset.report_location(what).read_bytes(verify.report_rel(rel)))
+        report = json.loads(dataset.layout.report_location(what).read_bytes(verify.report_rel(rel)))
         assert report["passed"] and report["rel"] == rel
-    overlays = list(Path(dataset.report_location("overlays").child("nested/x/part-b")).glob("*.png"))
+    overlays = list(Path(dataset.layout.report_location("overlays").child("nested/x/part-b")).glob("*.png"))
     assert len(overlays) == 1
 
     # Every check passed, and its result is stored for this shard's partition only.
     evaluations = result.get_asset_check_evaluations()
-    assert len(evaluations) == 4 + 4 + 6 and all(e.passed for e in evaluations)
+    assert len(evaluations) == 4 + 4 + 5 and all(e.passed for e in evaluations)
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel, other])
     assert statuses == {(k.to_user_string(), rel): "SUCCEEDED" for k in RESIZED_CHECK_KEYS}
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {rel}
@@ -133,7 +133,7 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     result = run_shard(build_definitions(config), instance, "tiny__shard", "broken.parquet")
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "broken.parquet: not a readable Parquet file" in failure.event_specific_data.error.to_string()
+    assert "broken.parquet is not a readable Parquet file" in failure.event_specific_data.error.to_string()
     assert not materialized(result)
 
 

@@ -109,7 +109,7 @@ def test_dataset_check_counts_shards_and_bytes_and_lists_missing(sample_build, t
         assert evaluation.metadata["512_shards"].value == len(shards)
 
         for rel in shards:
-            build_crop_bbox_shard(main, rel, outputs[0].location, outputs[1].location, dataset.output("crop_bbox"))
+            build_crop_bbox_shard(dataset.layout, rel)
         result = defs.resolve_job_def("sample__dataset_check").execute_in_process(instance=instance, run_config=QUIET)
         (evaluation,) = result.get_asset_check_evaluations()
         assert evaluation.passed and evaluation.description == f"all {len(shards)} shards present in 512, 1024 and crop_bbox"

@@ -15,7 +15,6 @@ from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.defs import config as config_module
 from fixed_res_sidecar.defs.config import (
     DATASETS_ENV,
-    DEFAULT_DATASETS_FILE,
     ConfigError,
     datasets_file,
     load_config,
@@ -23,6 +22,7 @@ from fixed_res_sidecar.defs.config import (
 )
 from fixed_res_sidecar.defs.keys import RESOLUTIONS as KEY_RESOLUTIONS
 from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 
 
 def entry(**fields) -> dict:
@@ -37,10 +37,13 @@ def refused(*datasets, **top) -> str:
     return str(info.value)
 
 
+REPO_DATASETS_FILE = REPO_ROOT / "datasets.yaml"
+
+
 def test_repo_sample_config_loads_with_paths_relative_to_the_file():
-    config = load_config(DEFAULT_DATASETS_FILE)
+    config = load_config(REPO_DATASETS_FILE)
     sample = config.dataset("sample")
-    repo = DEFAULT_DATASETS_FILE.parent
+    repo = REPO_ROOT
     assert sample.main.uri == str(repo / "sidecar-demo" / "main" / "sample")
     assert sample.output("resized_512").uri == str(repo / "sidecar-demo/out/0_262mp_version_all_in_one/sample")
     assert sample.output("reports").uri == str(repo / "sidecar-demo/out/verifier_reports/sample")
@@ -54,7 +57,10 @@ def test_env_var_chooses_the_datasets_file(tmp_path, monkeypatch):
     config = load_config()
     assert config.dataset("mine").main.uri == str(tmp_path / "m")
     monkeypatch.delenv(DATASETS_ENV)
-    assert datasets_file() == DEFAULT_DATASETS_FILE
+    monkeypatch.chdir(tmp_path)  # without the variable: datasets.yaml in the current folder
+    assert datasets_file() == tmp_path / "datasets.yaml"
+    with pytest.raises(ConfigError, match=f"no such datasets file; set {DATASETS_ENV}"):
+        load_config()
 
 
 def test_defaults_outputs_and_pixel_options():
@@ -83,8 +89,8 @@ def test_defaults_outputs_and_pixel_options():
     assert laion.output("resized_512").uri == "/data/laion/out/0_262mp_version_all_in_one/laion"
     assert laion.output("resized_1024").uri == "/data/laion/out/1_05mp_version_all_in_one/laion"
     assert laion.output("crop_bbox").uri == "/data/laion/out/crop_bbox_sidecar/laion"
-    assert laion.resized_512.area == AREA_512 and laion.resized_1024.area == AREA_1024
-    assert laion.resized_512.audit_prefix == "0_26mp_process" and laion.resized_1024.audit_prefix == "1_05mp_process"
+    assert laion.resized("512").area == AREA_512 and laion.resized("1024").area == AREA_1024
+    assert laion.resized("512").audit_prefix == "0_26mp_process" and laion.resized("1024").audit_prefix == "1_05mp_process"
     options = laion.pixel_options()
     assert (options.quality, options.max_aspect_ratio, options.patch_size, options.output_format) == (90, 4, 32, "webp")
     assert laion.run_resources.cpu == 2 and laion.run_resources.memory_gb == 4
@@ -92,7 +98,7 @@ def test_defaults_outputs_and_pixel_options():
     assert coco.quality == 80
     assert (coco.limits.min_source_side, coco.limits.max_aspect_ratio) == (64, 4)
     assert coco.output("resized_1024").uri == "s3://bucket/coco/1024"
-    assert coco.report_location("overlays").uri == "s3://bucket/coco/reports/overlays"
+    assert coco.layout.report_location("overlays").uri == "s3://bucket/coco/reports/overlays"
 
 
 @pytest.mark.parametrize(
@@ -119,7 +125,7 @@ def test_outputs_that_overlap_each_other_or_the_captions_are_refused():
             outputs={"crop_bbox": "/data/laion/out/0_262mp_version_all_in_one/laion/crop", "reports": "/data/laion/captions/r"},
         )
     )
-    assert "field 'outputs.crop_bbox'" in message and "outputs.resized_512" in message
+    assert "field 'outputs.crop_bbox'" in message and "the resized_512 output" in message
     assert "field 'outputs.reports'" in message and "caption dataset" in message
 
 
@@ -240,11 +246,11 @@ def test_pixel_defaults_follow_core_pixels_when_it_changes(monkeypatch):
 
 
 def test_repo_datasets_file_pins_no_pixel_default():
-    raw = yaml.safe_load(DEFAULT_DATASETS_FILE.read_text())
+    raw = yaml.safe_load(REPO_DATASETS_FILE.read_text())
     for dataset in raw["datasets"]:
         assert not (PIXEL_FIELDS - LIMIT_FIELDS) & set(dataset), "pixel settings in datasets.yaml pin a default"
         assert not LIMIT_FIELDS & set(dataset.get("limits") or {})
-    text = DEFAULT_DATASETS_FILE.read_text()
+    text = REPO_DATASETS_FILE.read_text()
     assert f"# webp_method: {PixelOptions().webp_method} " in text and "default" in text.split("# webp_method:")[1].split("\n")[0]
 
 

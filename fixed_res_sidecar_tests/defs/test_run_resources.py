@@ -11,12 +11,12 @@ from fixed_res_sidecar.defs.run_resources import (
     RAY_CONFIG_TAG,
     k8s_cpu,
     k8s_memory,
-    run_tags,
+    launcher_tags,
 )
 
 
 def test_whole_cpus_and_gib():
-    tags = run_tags(2, 8)
+    tags = launcher_tags(2, 8)
     assert set(tags) == {K8S_CONFIG_TAG, RAY_CONFIG_TAG}
     assert all(isinstance(v, str) for v in tags.values())  # Dagster tags are strings
     assert json.loads(tags[K8S_CONFIG_TAG]) == {
@@ -37,32 +37,32 @@ def test_whole_cpus_and_gib():
 def test_fractions_become_millicores_and_mebibytes(cpu, cpu_quantity, memory_gb, memory_quantity):
     assert k8s_cpu(cpu) == cpu_quantity
     assert k8s_memory(memory_gb) == memory_quantity
-    resources = json.loads(run_tags(cpu, memory_gb)[K8S_CONFIG_TAG])["container_config"]["resources"]
+    resources = json.loads(launcher_tags(cpu, memory_gb)[K8S_CONFIG_TAG])["container_config"]["resources"]
     assert resources["requests"] == {"cpu": cpu_quantity, "memory": memory_quantity}
-    assert json.loads(run_tags(cpu, memory_gb)[RAY_CONFIG_TAG])["memory"] == math.ceil(memory_gb * 2**30)
+    assert json.loads(launcher_tags(cpu, memory_gb)[RAY_CONFIG_TAG])["memory"] == math.ceil(memory_gb * 2**30)
 
 
 def test_dataset_tag_is_added_when_named():
-    assert run_tags(1, 4, dataset="laion_subset")[DATASET_TAG] == "laion_subset"
-    assert DATASET_TAG not in run_tags(1, 4)
+    assert launcher_tags(1, 4, dataset="laion_subset")[DATASET_TAG] == "laion_subset"
+    assert DATASET_TAG not in launcher_tags(1, 4)
     with pytest.raises(ValueError):
-        run_tags(1, 4, dataset=" ")
+        launcher_tags(1, 4, dataset=" ")
 
 
 @pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf")])
 def test_nonsense_resources_are_refused(bad):
     with pytest.raises(ValueError):
-        run_tags(bad, 4)
+        launcher_tags(bad, 4)
     with pytest.raises(ValueError):
-        run_tags(1, bad)
+        launcher_tags(1, bad)
     with pytest.raises(TypeError):
-        run_tags("2", 4)
+        launcher_tags("2", 4)
 
 
 def test_dagster_k8s_reads_the_tag():
     job = pytest.importorskip("dagster_k8s.job", reason="dagster-k8s is in the [deploy] extra")
     assert job.USER_DEFINED_K8S_CONFIG_KEY == K8S_CONFIG_TAG
-    parsed = job.get_user_defined_k8s_config(run_tags(3, 12.5))  # validates against its schema
+    parsed = job.get_user_defined_k8s_config(launcher_tags(3, 12.5))  # validates against its schema
     assert parsed.container_config["resources"] == {
         "requests": {"cpu": "3", "memory": "12800Mi"},
         "limits": {"memory": "12800Mi"},
@@ -72,13 +72,13 @@ def test_dagster_k8s_reads_the_tag():
 def test_dagster_ray_reads_the_tag():
     configs = pytest.importorskip("dagster_ray.configs", reason="dagster-ray is in the [deploy] extra")
     assert configs.USER_DEFINED_RAY_KEY == RAY_CONFIG_TAG
-    parsed = configs.RayExecutionConfig.from_tags(run_tags(3, 12.5))
+    parsed = configs.RayExecutionConfig.from_tags(launcher_tags(3, 12.5))
     assert (parsed.num_cpus, parsed.memory) == (3.0, int(12.5 * 2**30))
 
 
 def test_tags_are_valid_dagster_run_tags():
     import dagster as dg
 
-    tags = run_tags(2, 8, dataset="sample")
+    tags = launcher_tags(2, 8, dataset="sample")
     request = dg.RunRequest(partition_key="part-00000.parquet", tags=tags)
     assert request.tags == tags

@@ -11,12 +11,12 @@ from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.sensors import (
     ShardCursor,
-    apply_tick,
     automation_sensor,
     discover_shards,
     discovery_sensor,
     discovery_tick,
 )
+from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar_tests.defs.conftest import (
     TINY_ROWS,
@@ -64,7 +64,7 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
         assert observation.asset_key == keys.main
         assert observation.metadata["dagster/row_count"].value == TINY_ROWS
         assert observation.metadata["bytes"].value == tiny_main.size(rel) > 0
-    assert apply_tick(instance, first) == expected  # what the daemon does with the result
+    assert apply_sensor_result(instance, first) == expected  # what the daemon does with the result
     assert sorted(instance.get_dynamic_partitions("tiny_shards")) == expected
 
     second = tick(sensor, instance, first.cursor)
@@ -75,7 +75,7 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
     third = tick(sensor, instance, second.cursor)
     assert [r.partition_key for r in third.run_requests] == ["nested/y/part-c.parquet"]
     assert [k for r in third.dynamic_partitions_requests for k in r.partition_keys] == ["nested/y/part-c.parquet"]
-    apply_tick(instance, third)
+    apply_sensor_result(instance, third)
     assert len(instance.get_dynamic_partitions("tiny_shards")) == 3
     # Recorded observations on main are per partition.
     records = instance.fetch_observations(
@@ -93,7 +93,7 @@ def test_ticks_are_bounded_and_the_cursor_continues_the_listing(tmp_path, instan
     for expected in (["p0.parquet", "p1.parquet"], ["p2.parquet", "p3.parquet"], ["p4.parquet"]):
         result = tick(sensor, instance, cursor)
         assert [r.partition_key for r in result.run_requests] == expected
-        added += apply_tick(instance, result)
+        added += apply_sensor_result(instance, result)
         cursor = result.cursor
     assert ShardCursor.parse(cursor) == ShardCursor(after=None, passes=1)
     # A shard that appears before the resume point is found by the next full pass.

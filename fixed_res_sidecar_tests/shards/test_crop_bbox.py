@@ -11,14 +11,12 @@ import pytest
 
 from fixed_res_sidecar.core.audit import read_audit_records
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.shards.crop_bbox import (
-    CROP_COLUMNS,
-    META_COLUMN,
-    CropBboxGateError,
-    CropBboxInputError,
-    build_crop_bbox_shard,
-)
+from fixed_res_sidecar.core.bbox import CROP_COLUMNS, META_COLUMN
+from fixed_res_sidecar.io.parquet import ShardError
+from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
+from fixed_res_sidecar.shards.verify import GateError
+from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
 
 COLUMNS = ["image_key", CROP_COLUMNS["512"], CROP_COLUMNS["1024"], META_COLUMN]
 PREFIXES = {"512": "0_26mp_process", "1024": "1_05mp_process"}
@@ -61,7 +59,7 @@ def test_sidecar_layout_keys_order_and_content(build):
     shards = main.list_shards()
     assert any("/" in rel for rel in shards)  # nested folders
     for rel in shards:
-        result = build_crop_bbox_shard(main, rel, r512, r1024, output)
+        result = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
         assert (result.rel, result.status, result.rows) == (rel, "built", pq.read_metadata(main.child(rel)).num_rows)
     assert output.list_shards() == shards
 
@@ -113,7 +111,7 @@ def test_sidecar_layout_keys_order_and_content(build):
 def test_null_image_row_has_null_crops_and_meta_says_why(build):
     main, r512, r1024, output = build
     rel = "part-00000.parquet"
-    build_crop_bbox_shard(main, rel, r512, r1024, output)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     sidecar = pq.read_table(output.child(rel)).to_pylist()
     row = sidecar[4]  # sample data: row 4 of the first shard has no image and no caption
     assert row[CROP_COLUMNS["512"]] is None and row[CROP_COLUMNS["1024"]] is None
@@ -137,7 +135,7 @@ def test_one_invalid_resolution_nulls_only_its_column(build):
         return table
 
     rewrite(r1024, rel, mark_row_0_too_small)
-    build_crop_bbox_shard(main, rel, r512, r1024, output)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     row = pq.read_table(output.child(rel)).to_pylist()[0]
     assert row[CROP_COLUMNS["512"]] is not None
     assert row[CROP_COLUMNS["1024"]] is None
@@ -152,8 +150,8 @@ def test_refuses_a_missing_resized_shard(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[-1]
     os.remove(r1024.child(rel))
-    with pytest.raises(CropBboxInputError, match=f"resized 1024 shard .*{rel}.* does not exist"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output)
+    with pytest.raises(ShardError, match=f"resized 1024 shard .*{rel}.* is missing"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     assert not output.exists(rel)
 
 
@@ -167,8 +165,8 @@ def test_refuses_mismatched_keys(build):
         return table.take(order)
 
     rewrite(r512, rel, swap_rows_4_and_5)
-    with pytest.raises(CropBboxInputError, match=f"resized 512 shard .*{rel}: key at row 4"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output)
+    with pytest.raises(ShardError, match=f"resized 512 shard .*{rel}: key at row 4"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     assert not output.exists(rel)
     assert not list(Path(output.path).rglob("*.tmp"))  # the aborted write left nothing behind
 
@@ -176,52 +174,52 @@ def test_refuses_mismatched_keys(build):
 def test_refuses_a_wrong_audit_prefix(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
-    with pytest.raises(CropBboxInputError, match="resized 512 shard .* lacks column.*'0_26mp_v2_valid'"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output, audit_prefix_512="0_26mp_v2")
+    with pytest.raises(ShardError, match="resized 512 shard .* lacks column.*'0_26mp_v2_valid'"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, audit_prefix_512="0_26mp_v2"), rel)
 
 
 def test_refuses_a_row_count_mismatch(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
     rewrite(r1024, rel, lambda table: table.slice(0, table.num_rows - 1))
-    with pytest.raises(CropBboxInputError, match="resized 1024 shard .* has 9 rows, the main shard has 10"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output)
+    with pytest.raises(ShardError, match="resized 1024 shard .* has 9 rows, the main shard has 10"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
 
 
 def test_refuses_an_output_overlapping_an_input(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
     with pytest.raises(LocationError, match="main dataset"):
-        build_crop_bbox_shard(main, rel, r512, r1024, Location.parse(Path(main.path, "sidecar")))
-    with pytest.raises(LocationError, match="input dataset"):
-        build_crop_bbox_shard(main, rel, r512, r1024, r512)
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, Location.parse(Path(main.path, "sidecar"))), rel)
+    with pytest.raises(LocationError, match="resized_512 output"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, r512), rel)
 
 
 def test_skip_existing(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
-    assert build_crop_bbox_shard(main, rel, r512, r1024, output).status == "built"
-    assert build_crop_bbox_shard(main, rel, r512, r1024, output, skip_existing=True).status == "skipped"
+    assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel).status == "built"
+    assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, skip_existing=True).status == "skipped"
     # Other settings: rebuilt.
-    changed = build_crop_bbox_shard(main, rel, r512, r1024, output, skip_existing=True, caption_frame="raw")
+    changed = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
     assert changed.status == "built"
     assert json.loads(pq.read_schema(output.child(rel)).metadata[SETTINGS_KEY])["caption_frame"] == "raw"
-    again = build_crop_bbox_shard(main, rel, r512, r1024, output, skip_existing=True, caption_frame="raw")
+    again = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
     assert again.status == "skipped"
     # A shard with the wrong row count (same settings): rebuilt.
     rewrite(output, rel, lambda table: table.slice(0, 3).replace_schema_metadata(table.schema.metadata))
-    rebuilt = build_crop_bbox_shard(main, rel, r512, r1024, output, skip_existing=True, caption_frame="raw")
+    rebuilt = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
     assert rebuilt.status == "built" and pq.read_metadata(output.child(rel)).num_rows == 10
     # Without skip_existing an up-to-date shard is rebuilt anyway.
-    assert build_crop_bbox_shard(main, rel, r512, r1024, output, caption_frame="raw").status == "built"
+    assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel).status == "built"
 
 
 def test_raw_caption_frame_rotates_only_rotated_rows(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
     raw_output = Location.parse(Path(output.path).parent / "sidecar-raw")
-    build_crop_bbox_shard(main, rel, r512, r1024, output)
-    build_crop_bbox_shard(main, rel, r512, r1024, raw_output, caption_frame="raw")
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, raw_output, caption_frame="raw"), rel)
     oriented = pq.read_table(output.child(rel)).to_pylist()
     raw = pq.read_table(raw_output.child(rel)).to_pylist()
     orientations = [json.loads(row[META_COLUMN])["exif_orientation"] for row in oriented]
@@ -243,7 +241,7 @@ def test_caption_dataset(build, tmp_path):
     Path(captions.child(rel)).parent.mkdir(parents=True)
     pq.write_table(source.set_column(1, "structured_description", pa.array(texts)), captions.child(rel))
 
-    build_crop_bbox_shard(main, rel, r512, r1024, output, caption_location=captions)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_location=captions), rel)
     rows = pq.read_table(output.child(rel)).to_pylist()
     assert rows[0][CROP_COLUMNS["1024"]] is not None and json.loads(rows[0][CROP_COLUMNS["1024"]])["bbox"] is not None
     assert json.loads(rows[1][META_COLUMN])["caption_status"] == "invalid_json"
@@ -253,8 +251,8 @@ def test_caption_dataset(build, tmp_path):
 
     # A caption dataset whose keys disagree is refused.
     pq.write_table(source.set_column(0, "image_key", pa.array(["x"] * source.num_rows)), captions.child(rel))
-    with pytest.raises(CropBboxInputError, match="caption shard .* key at row 0"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output, caption_location=captions)
+    with pytest.raises(ShardError, match="caption shard .* key at row 0"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_location=captions), rel)
 
 
 def test_streams_across_unaligned_row_groups(build, monkeypatch):
@@ -264,11 +262,11 @@ def test_streams_across_unaligned_row_groups(build, monkeypatch):
 
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
-    build_crop_bbox_shard(main, rel, r512, r1024, output)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     expected = pq.read_table(output.child(rel))
     monkeypatch.setattr(crop_bbox, "BATCH_ROWS", 3)
     monkeypatch.setattr(crop_bbox, "OUTPUT_ROW_GROUP_ROWS", 4)
-    build_crop_bbox_shard(main, rel, r512, r1024, output)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     assert pq.read_table(output.child(rel)).equals(expected)
     assert pq.read_metadata(output.child(rel)).num_row_groups > 1
 
@@ -276,7 +274,7 @@ def test_streams_across_unaligned_row_groups(build, monkeypatch):
 def test_on_s3(build, s3_bucket):
     main, r512, r1024, local_output = build
     rel = "nested/a/part-00001.parquet"
-    build_crop_bbox_shard(main, rel, r512, r1024, local_output)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, local_output), rel)
 
     from fixed_res_sidecar.io.locations import s3_client
 
@@ -284,12 +282,12 @@ def test_on_s3(build, s3_bucket):
     for name, location in (("main", main), ("r512", r512), ("r1024", r1024)):
         client.upload_file(location.child(rel), s3_bucket, f"data/{name}/{rel}")
     s3 = {name: Location.parse(f"s3://{s3_bucket}/data/{name}") for name in ("main", "r512", "r1024", "sidecar")}
-    result = build_crop_bbox_shard(s3["main"], rel, s3["r512"], s3["r1024"], s3["sidecar"])
+    result = build_crop_bbox_shard(sidecar_layout(s3["main"], s3["r512"], s3["r1024"], s3["sidecar"]), rel)
     assert result.status == "built"
     assert s3["sidecar"].list_shards() == [rel]
     remote = pq.read_table(s3["sidecar"].open_input(rel))
     assert remote.equals(pq.read_table(local_output.child(rel)))
-    again = build_crop_bbox_shard(s3["main"], rel, s3["r512"], s3["r1024"], s3["sidecar"], skip_existing=True)
+    again = build_crop_bbox_shard(sidecar_layout(s3["main"], s3["r512"], s3["r1024"], s3["sidecar"]), rel, skip_existing=True)
     assert again.status == "skipped"
 
 
@@ -297,7 +295,7 @@ def test_main_shard_without_a_caption_column_has_every_caption_missing(build):
     main, r512, r1024, output = build
     rel = main.list_shards()[0]
     rewrite(main, rel, lambda table: table.drop_columns(["structured_description"]))
-    result = build_crop_bbox_shard(main, rel, r512, r1024, output)
+    result = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     assert result.status == "built" and result.caption_column_missing
     assert result.counts["captions"] == {"ok": 0, "missing": 10, "invalid_json": 0}
     assert "10 missing (the main shard has no caption column)" in result.status_text
@@ -314,7 +312,7 @@ def test_main_shard_without_a_caption_column_has_every_caption_missing(build):
 
     # The other shards, with captions, are unaffected.
     other = main.list_shards()[1]
-    assert not build_crop_bbox_shard(main, other, r512, r1024, output).caption_column_missing
+    assert not build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), other).caption_column_missing
 
 
 def test_a_caption_dataset_without_the_caption_column_is_still_an_error(build, tmp_path):
@@ -323,8 +321,8 @@ def test_a_caption_dataset_without_the_caption_column_is_still_an_error(build, t
     captions = Location.parse(tmp_path / "captions")
     Path(captions.child(rel)).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pq.read_table(main.child(rel), columns=["image_key"]), captions.child(rel))
-    with pytest.raises(CropBboxInputError, match="caption shard .* lacks column.*'structured_description'"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output, caption_location=captions)
+    with pytest.raises(ShardError, match="caption shard .* lacks column.*'structured_description'"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_location=captions), rel)
     assert not output.exists(rel)
 
 
@@ -335,12 +333,12 @@ def test_gate_runs_before_writing_and_not_for_skipped_shards(build):
 
     def refuse(shard):
         calls.append(shard)
-        raise CropBboxGateError(f"resized 512 shard of {shard} did not pass the verifier")
+        raise GateError(f"resized 512 shard of {shard} did not pass the verifier")
 
-    with pytest.raises(CropBboxGateError, match="did not pass the verifier"):
-        build_crop_bbox_shard(main, rel, r512, r1024, output, gate=refuse)
+    with pytest.raises(GateError, match="did not pass the verifier"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, gate=refuse)
     assert calls == [rel] and not output.exists(rel)
-    assert build_crop_bbox_shard(main, rel, r512, r1024, output, gate=calls.append).status == "built"
+    assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, gate=calls.append).status == "built"
     assert calls == [rel, rel]
-    skipped = build_crop_bbox_shard(main, rel, r512, r1024, output, gate=refuse, skip_existing=True)
+    skipped = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, gate=refuse, skip_existing=True)
     assert skipped.status == "skipped" and calls == [rel, rel]

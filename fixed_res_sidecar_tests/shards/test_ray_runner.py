@@ -24,9 +24,10 @@ from fixed_res_sidecar import cli
 from fixed_res_sidecar.cli import build as build_cli
 from fixed_res_sidecar.core.geometry import AREA_512
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.shards.resize import ResizedOutput, build_resized_shard
+from fixed_res_sidecar.shards.layout import ResizedOutput
+from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.runner import Progress
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, resized_outputs
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, layout_of, resized_outputs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,7 +55,7 @@ def ray_cluster():
 # -- shard jobs that run inside Ray workers (top-level, so they pickle by reference) -----
 
 
-def build_or_kill_worker(main, rel, *, marker_dir: str, kill_rels=(), kill_times: int = 0, **kwargs):
+def build_or_kill_worker(layout, rel, *, marker_dir: str, kill_rels=(), kill_times: int = 0, **kwargs):
     """`build_resized_shard`, counting attempts per shard in `marker_dir`.
 
     For a shard in `kill_rels`, on its first `kill_times` attempts the Ray worker process
@@ -63,15 +64,14 @@ def build_or_kill_worker(main, rel, *, marker_dir: str, kill_rels=(), kill_times
     """
     attempt = _record_attempt(Path(marker_dir), rel)
     if rel in kill_rels and attempt <= kill_times:
-        outputs = kwargs["outputs"]
-
         def die(_rows: int) -> None:
+            outputs = layout.resized.values()
             half_written = [str(p) for o in outputs for p in Path(o.location.child(rel)).parent.glob(".*.tmp")]
             Path(marker_dir, f"{_safe(rel)}.killed-{attempt}").write_text(json.dumps(half_written))
             os.kill(os.getpid(), signal.SIGKILL)
 
         kwargs["on_rows"] = die
-    return build_resized_shard(main, rel, **kwargs)
+    return build_resized_shard(layout, rel, **kwargs)
 
 
 def _safe(rel: str) -> str:
@@ -270,7 +270,7 @@ def test_the_command_starts_its_own_local_ray(sample_main, tmp_path):
     assert "3 total, 3 built, 0 skipped, 0 failed" in done.stdout
     local = ResizedOutput(Location.parse(tmp_path / "local"), AREA_512, "0_26mp_process")
     for rel in SHARDS:  # the same single-resolution build, in this process
-        build_resized_shard(sample_main, rel, [local])
+        build_resized_shard(layout_of(sample_main, [local]), rel)
         assert_same_output(local, out, rel)
 
 

@@ -12,10 +12,12 @@ from fixed_res_sidecar.core.geometry import AREA_512, geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.shards import resize
-from fixed_res_sidecar.shards.resize import ResizedOutput, ShardError, build_resized_shard
+from fixed_res_sidecar.io.parquet import ShardError
+from fixed_res_sidecar.shards.layout import ResizedOutput
+from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.settings import read_settings
 from fixed_res_sidecar.sample_data import write_sample_dataset
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, resized_outputs
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, layout_of, resized_outputs
 
 
 def _snapshot(root) -> dict[str, bytes]:
@@ -59,7 +61,7 @@ def check_resized_dataset(main: Location, output: ResizedOutput, shards=None, ke
 
 def test_fused_round_trip_nested_local(sample_main, tmp_path):
     outputs = resized_outputs(tmp_path)
-    results = [build_resized_shard(sample_main, rel, outputs, threads=2) for rel in SHARDS]
+    results = [build_resized_shard(layout_of(sample_main, outputs), rel, threads=2) for rel in SHARDS]
     for output in outputs:
         check_resized_dataset(sample_main, output)
     # Every row is accounted for, and the sample's bad rows are audited, not dropped.
@@ -75,9 +77,9 @@ def test_each_resolution_alone_equals_the_fused_build(sample_main, tmp_path):
     fused = resized_outputs(tmp_path / "fused")
     alone = resized_outputs(tmp_path / "alone")
     rel = SHARDS[1]
-    build_resized_shard(sample_main, rel, fused)
+    build_resized_shard(layout_of(sample_main, fused), rel)
     for output in alone:
-        build_resized_shard(sample_main, rel, [output])
+        build_resized_shard(layout_of(sample_main, [output]), rel)
     for a, b in zip(fused, alone):
         table_a, table_b = a.location.parquet_file(rel).read(), b.location.parquet_file(rel).read()
         # The fused build may resample the smaller output from an intermediate (SPEC 3 allows
@@ -101,7 +103,7 @@ def test_struct_image_layout_is_kept(tmp_path):
     main = Location.parse(tmp_path / "main")
     write_sample_dataset(main, shards=["s.parquet"], rows_per_shard=7, struct_images=True)
     outputs = resized_outputs(tmp_path / "out")
-    build_resized_shard(main, "s.parquet", outputs)
+    build_resized_shard(layout_of(main, outputs), "s.parquet")
     built = outputs[0].location.parquet_file("s.parquet").read()
     assert built.schema.field("image").type == main.parquet_file("s.parquet").schema_arrow.field("image").type
     cells = built.column("image").to_pylist()
@@ -129,13 +131,13 @@ def test_interrupted_build_leaves_nothing_and_rerun_completes(sample_main, tmp_p
         raise KeyboardInterrupt("worker stopped mid-shard")
 
     with pytest.raises(KeyboardInterrupt):
-        build_resized_shard(sample_main, rel, outputs, threads=2, on_rows=crash_after_first_row_group)
+        build_resized_shard(layout_of(sample_main, outputs), rel, threads=2, on_rows=crash_after_first_row_group)
     assert flushed == [4]  # one row group written to the temporary, six rows to go
     for output in outputs:
         assert not output.location.exists(rel)
         folder = tmp_path / "out" / os.path.relpath(output.location.path, tmp_path / "out")
         assert not folder.exists() or list(folder.iterdir()) == []
-    result = build_resized_shard(sample_main, rel, outputs, skip_existing=True)
+    result = build_resized_shard(layout_of(sample_main, outputs), rel, skip_existing=True)
     assert [o.status for o in result.outputs] == ["built", "built"]
     check_resized_dataset(sample_main, outputs[0], shards=[rel])
 
@@ -143,20 +145,20 @@ def test_interrupted_build_leaves_nothing_and_rerun_completes(sample_main, tmp_p
 def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     outputs = resized_outputs(tmp_path / "out")
     rel = SHARDS[0]
-    build_resized_shard(sample_main, rel, outputs)
+    build_resized_shard(layout_of(sample_main, outputs), rel)
     first = outputs[0].location.read_bytes(rel)
-    again = build_resized_shard(sample_main, rel, outputs, skip_existing=True)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, skip_existing=True)
     assert [o.status for o in again.outputs] == ["skipped", "skipped"]
     assert outputs[0].location.read_bytes(rel) == first
     # Other settings: rebuilt.
-    changed = build_resized_shard(sample_main, rel, outputs, options=PixelOptions(quality=80), skip_existing=True)
+    changed = build_resized_shard(layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True)
     assert [o.status for o in changed.outputs] == ["built", "built"]
     assert outputs[0].location.read_bytes(rel) != first
     # Same settings but a different row count in the footer: rebuilt.
     path = outputs[1].location.child(rel)
     table = pq.ParquetFile(path).read()
     pq.write_table(table.slice(0, 3), path)
-    partial = build_resized_shard(sample_main, rel, outputs, options=PixelOptions(quality=80), skip_existing=True)
+    partial = build_resized_shard(layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True)
     assert [o.status for o in partial.outputs] == ["skipped", "built"]
     assert outputs[1].location.parquet_file(rel).metadata.num_rows == 10
 
@@ -166,7 +168,7 @@ def test_output_overlapping_main_is_refused_and_changes_nothing(sample_main, tar
     root = os.path.normpath(os.path.join(sample_main.path, target)) if target else sample_main.path
     before = _snapshot(sample_main.path)
     with pytest.raises(LocationError, match="read-only"):
-        build_resized_shard(sample_main, SHARDS[0], [ResizedOutput(Location.parse(root), AREA_512, "p")])
+        build_resized_shard(layout_of(sample_main, [ResizedOutput(Location.parse(root), AREA_512, "p")]), SHARDS[0])
     assert _snapshot(sample_main.path) == before
 
 
@@ -174,12 +176,12 @@ def test_unreadable_shard_fails_with_its_name(tmp_path):
     main = Location.parse(tmp_path / "main")
     main.write_bytes("broken.parquet", b"this is not parquet")
     with pytest.raises(ShardError, match="broken.parquet"):
-        build_resized_shard(main, "broken.parquet", resized_outputs(tmp_path / "out"))
+        build_resized_shard(layout_of(main, resized_outputs(tmp_path / "out")), "broken.parquet")
     main2 = Location.parse(tmp_path / "main2")
     with main2.write_atomic("nokey.parquet") as tmp:
         pq.write_table(pa.table({"id": ["a"], "image": [b"x"]}), tmp)
     with pytest.raises(ShardError, match=r"nokey.parquet.*image_key"):
-        build_resized_shard(main2, "nokey.parquet", resized_outputs(tmp_path / "out"))
+        build_resized_shard(layout_of(main2, resized_outputs(tmp_path / "out")), "nokey.parquet")
 
 
 def test_row_groups_are_bounded(tmp_path, monkeypatch):
@@ -187,7 +189,7 @@ def test_row_groups_are_bounded(tmp_path, monkeypatch):
     main = Location.parse(tmp_path / "main")
     write_sample_dataset(main, shards=["s.parquet"], rows_per_shard=10, row_group_size=10, bad_rows=False)
     output = resized_outputs(tmp_path / "out")[0]
-    build_resized_shard(main, "s.parquet", [output], threads=3)
+    build_resized_shard(layout_of(main, [output]), "s.parquet", threads=3)
     metadata = output.location.parquet_file("s.parquet").metadata
     assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [4, 4, 2]
     check_resized_dataset(main, output)

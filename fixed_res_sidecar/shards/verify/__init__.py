@@ -1,0 +1,53 @@
+"""The SPEC 7 verifier: per-shard checks of the resized outputs and of the crop-bbox sidecar.
+
+`report` holds the report types and the reading both verifiers share, `resized` the checks of
+a resized shard (and the crop sidecar's gate on them), `sidecar` the checks of a sidecar shard.
+"""
+
+from fixed_res_sidecar.shards.verify.report import (
+    KEYS_MATCH,
+    SHARD_COMPLETE,
+    CheckResult,
+    ShardReport,
+    report_rel,
+    write_report,
+)
+from fixed_res_sidecar.shards.verify.resized import (
+    AUDIT_CONSISTENT,
+    RESIZED_CHECKS,
+    SAMPLE_IMAGES,
+    GateError,
+    VerifyOptions,
+    require_verified,
+    resized_verification_problems,
+    verify_resized_shard,
+)
+from fixed_res_sidecar.shards.verify.sidecar import (
+    BOXES_VALID,
+    CROP_BBOX_CHECKS,
+    META_MATCHES_AUDIT,
+    SIDECAR_COLUMNS,
+    verify_crop_bbox_shard,
+)
+
+__all__ = [
+    "AUDIT_CONSISTENT",
+    "BOXES_VALID",
+    "CROP_BBOX_CHECKS",
+    "KEYS_MATCH",
+    "META_MATCHES_AUDIT",
+    "RESIZED_CHECKS",
+    "SAMPLE_IMAGES",
+    "SHARD_COMPLETE",
+    "SIDECAR_COLUMNS",
+    "CheckResult",
+    "GateError",
+    "ShardReport",
+    "VerifyOptions",
+    "report_rel",
+    "require_verified",
+    "resized_verification_problems",
+    "verify_crop_bbox_shard",
+    "verify_resized_shard",
+    "write_report",
+]

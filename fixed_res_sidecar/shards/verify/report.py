@@ -1,0 +1,186 @@
+"""What a verifier run finds about one shard, and the reading and checking both verifiers share.
+
+A `ShardReport` holds one `CheckResult` per check, named after SPEC 7's items, so the CLI
+prints them and Dagster turns each into an asset check. Damaged data never raises here: a
+missing or unreadable shard, a missing column or a broken cell is a failed check whose
+message names the shard.
+"""
+
+import hashlib
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
+from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns
+
+SHARD_COMPLETE = "shard_complete"
+KEYS_MATCH = "keys_match"
+
+MAX_EXAMPLES = 20  # invalid rows listed per shard report (SPEC 7)
+MAX_PROBLEMS = 10  # offending rows kept in a failed check's metadata
+REPORT_SUFFIX = ".verify.json"
+
+
+@dataclass
+class CheckResult:
+    """One check on one shard; `metadata` is JSON-ready detail for reports and Dagster."""
+
+    name: str
+    passed: bool
+    message: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ShardReport:
+    """Every check of one shard of one output, plus the counts a reader wants first."""
+
+    kind: str  # "resized" or "crop_bbox"
+    rel: str
+    shard: str  # URI of the checked output shard
+    resolution: str | None = None  # "512", "1024" (or the area as text) for resized shards
+    target_area: int | None = None
+    audit_prefix: str | None = None
+    rows: int | None = None
+    valid: int | None = None
+    invalid: int | None = None
+    error_counts: dict[str, int] = field(default_factory=dict)
+    examples: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # kind-specific extras (box and caption counts)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(c.passed for c in self.checks)
+
+    @property
+    def failed_checks(self) -> list[CheckResult]:
+        return [c for c in self.checks if not c.passed]
+
+    def check(self, name: str) -> CheckResult:
+        return next(c for c in self.checks if c.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+
+def shard_stem(rel: str) -> str:
+    """A shard's relative path without `.parquet`: where its report and overlay pictures go."""
+    return rel.removesuffix(SHARD_SUFFIX)
+
+
+def report_rel(rel: str) -> str:
+    """Where a shard's report goes: `<rel without .parquet>.verify.json`."""
+    return shard_stem(rel) + REPORT_SUFFIX
+
+
+def write_report(location: Location, rel: str, report: ShardReport, protect: Sequence[Location] = ()) -> str:
+    """Write `report` atomically at `report_rel(rel)` under `location`; returns that path."""
+    target = report_rel(rel)
+    location.write_bytes(target, report.to_json().encode(), protect=protect)
+    return target
+
+
+def sample_rows(candidates: Sequence[int], sample: int, rel: str) -> list[int]:
+    """A sample seeded from the shard path: the same rows every run, and for every resolution."""
+    seed = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
+    if len(candidates) <= sample:
+        return list(candidates)
+    return sorted(random.Random(seed).sample(list(candidates), sample))
+
+
+def read_rows(parquet_file: pq.ParquetFile, rows: Sequence[int], columns: Sequence[str]) -> dict[int, dict[str, Any]]:
+    """Values of `rows`; only the row groups holding them are read, so a few images from a big shard are cheap."""
+    wanted = sorted(set(rows))
+    found: dict[int, dict[str, Any]] = {}
+    start = 0
+    for group in range(parquet_file.num_row_groups):
+        count = parquet_file.metadata.row_group(group).num_rows
+        in_group = [r for r in wanted if start <= r < start + count]
+        if in_group:
+            table = parquet_file.read_row_group(group, columns=list(columns))
+            for r in in_group:
+                found[r] = {name: table.column(name)[r - start].as_py() for name in columns}
+        start += count
+    return found
+
+
+# -- checks both verifiers run -----------------------------------------------------
+
+
+def guarded(name: str, uri: str, check: Callable[..., CheckResult], *args) -> CheckResult:
+    """Run one check; any error in it fails that check instead of the whole report."""
+    try:
+        return check(*args)
+    except ShardError as problem:
+        return CheckResult(name, False, str(problem))
+    except Exception as exc:  # damaged data must fail a check, never crash a run over many shards
+        return CheckResult(name, False, f"{uri}: {name} could not be checked: {describe(exc)}")
+
+
+def not_checked(names: Sequence[str], problem: ShardError, shard_incomplete: bool = False) -> list[CheckResult]:
+    """Every check failed for want of a readable shard; shard_complete says why when it is the checked one."""
+    return [
+        CheckResult(name, False, str(problem) if shard_incomplete and name == SHARD_COMPLETE else f"not checked: {problem}")
+        for name in names
+    ]
+
+
+def problems_result(name: str, uri: str, what: str, problems: list[dict], metadata: dict) -> CheckResult:
+    """A failed check whose message names the shard, the count and the first offending row."""
+    first = problems[0]
+    where = f"row {first['row']} ({first['key']!r}): " if first.get("row") is not None else ""
+    metadata = {**metadata, "problems": len(problems), "examples": problems[:MAX_PROBLEMS]}
+    return CheckResult(name, False, f"{uri}: {len(problems)} {what}; {where}{first['problem']}", metadata)
+
+
+def column_or_nulls(table: pa.Table, name: str) -> list:
+    return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+
+def main_keys(main: Location, rel: str, key_column: str) -> pa.ChunkedArray:
+    with open_shard(main, rel, "main", columns=[key_column]) as parquet_file:
+        return read_columns(parquet_file, [key_column], main.child(rel)).column(key_column)
+
+
+def check_row_count(uri: str, rows: int, main_rows: int, what: str) -> CheckResult:
+    metadata = {"rows": rows, "main_rows": main_rows}
+    if rows != main_rows:
+        message = f"{what} shard {uri} has {rows} rows, the main shard has {main_rows}"
+        return CheckResult(SHARD_COMPLETE, False, message, metadata)
+    return CheckResult(SHARD_COMPLETE, True, f"{uri}: {rows} rows, as in main", metadata)
+
+
+def check_keys(uri: str, expected: pa.ChunkedArray, table: pa.Table, key_column: str) -> CheckResult:
+    if key_column not in table.column_names:
+        return CheckResult(KEYS_MATCH, False, f"{uri}: key column {key_column!r} is missing")
+    keys = table.column(key_column)
+    if keys.type != expected.type:
+        message = f"{uri}: key column {key_column!r} has type {keys.type}, main has {expected.type}"
+        return CheckResult(KEYS_MATCH, False, message)
+    if keys.equals(expected):
+        return CheckResult(KEYS_MATCH, True, f"{uri}: all {len(keys)} keys equal main's, in order", {"rows": len(keys)})
+    ours, theirs = keys.to_pylist(), expected.to_pylist()
+    common = min(len(ours), len(theirs))
+    mismatches = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+    metadata: dict[str, Any] = {"rows": len(ours), "main_rows": len(theirs), "mismatching_rows": len(mismatches)}
+    if mismatches:
+        first = mismatches[0]
+        metadata.update(first_mismatch_row=first, key=ours[first], main_key=theirs[first])
+        message = (
+            f"{uri}: row {first} has key {ours[first]!r} where main has {theirs[first]!r} "
+            f"({len(mismatches)} of {common} rows differ)"
+        )
+    else:
+        metadata.update(first_mismatch_row=common)
+        message = f"{uri}: the first {common} keys agree, but it has {len(ours)} rows and main has {len(theirs)}"
+    return CheckResult(KEYS_MATCH, False, message, metadata)

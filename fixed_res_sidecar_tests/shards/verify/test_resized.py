@@ -1,0 +1,346 @@
+"""shards/verify/resized.py: SPEC 7 items 1-4 catch each kind of damage, naming the shard; the gate."""
+
+import io
+import json
+import math
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.core.geometry import geometry
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
+from fixed_res_sidecar.io import locations
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
+from fixed_res_sidecar.shards.listing import dataset_summary
+from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.verify import (
+    AUDIT_CONSISTENT,
+    CROP_BBOX_CHECKS,
+    KEYS_MATCH,
+    RESIZED_CHECKS,
+    SAMPLE_IMAGES,
+    SHARD_COMPLETE,
+    VerifyOptions,
+    resized_verification_problems,
+    verify_resized_shard,
+)
+from fixed_res_sidecar.shards.verify.resized import aspect_tolerance
+from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
+from fixed_res_sidecar_tests.fixtures.datasets import column, replace_column, rewrite_shard, sidecar_layout
+
+
+def first_row(location: Location, rel: str, name: str, value) -> int:
+    return column(location, rel, name).index(value)
+
+
+def assert_failed(report, name: str, location: Location, rel: str = REL, containing: str = "") -> str:
+    check = report.check(name)
+    assert not check.passed, check
+    assert not report.passed
+    assert location.child(rel) in check.message, check.message  # the message names the shard
+    assert containing in check.message
+    return check.message
+
+
+def test_undamaged_build_passes_every_check(sidecar_build):
+    for rel in sidecar_build.main.list_shards():
+        rows = pq.ParquetFile(sidecar_build.main.child(rel)).metadata.num_rows
+        for resolution in ("512", "1024"):
+            report = sidecar_build.verify(resolution, rel)
+            assert [c.name for c in report.checks] == list(RESIZED_CHECKS)
+            assert report.passed, [c.message for c in report.failed_checks]
+            assert report.rows == rows and report.valid + report.invalid == rows
+            assert report.invalid >= 1 and set(report.error_counts) <= set(ERROR_CODES)
+            assert report.resolution == resolution and report.target_area == area_for_audit_prefix(sidecar_build.prefixes[resolution])
+            example = report.examples[0]
+            assert set(example) == {"row", "key", "error", "detail"} and example["error"] in ERROR_CODES
+            assert report.check(SAMPLE_IMAGES).metadata["sampled"] == report.valid  # fewer rows than the sample size
+        crop = sidecar_build.verify_crop(rel)
+        assert [c.name for c in crop.checks] == list(CROP_BBOX_CHECKS)
+        assert crop.passed, [c.message for c in crop.failed_checks]
+        assert crop.stats["caption_status"]["ok"] >= 1 and crop.stats["boxes"]["512"]["total"] > 0
+
+
+def test_sample_images_respects_the_sample_size(sidecar_build):
+    report = sidecar_build.verify("1024", sample=3)
+    assert report.passed
+    assert report.check(SAMPLE_IMAGES).metadata["sampled"] == 3
+
+
+def test_dropped_row_is_caught(sidecar_build):
+    rewrite_shard(sidecar_build.r512, REL, lambda t: t.take([i for i in range(t.num_rows) if i != 3]))
+    report = sidecar_build.verify("512")
+    assert_failed(report, SHARD_COMPLETE, sidecar_build.r512, containing="has 9 rows, the main shard has 10")
+    assert_failed(report, KEYS_MATCH, sidecar_build.r512, containing="row 3")
+    assert report.check(KEYS_MATCH).metadata["first_mismatch_row"] == 3
+    assert sidecar_build.verify("1024").passed  # the other resolution is untouched
+
+
+def test_two_swapped_keys_are_caught_with_the_first_mismatch(sidecar_build):
+    keys = column(sidecar_build.r1024, REL, "image_key")
+    keys[1], keys[2] = keys[2], keys[1]
+    rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, "image_key", keys))
+    report = sidecar_build.verify("1024")
+    message = assert_failed(report, KEYS_MATCH, sidecar_build.r1024, containing="row 1")
+    assert repr(keys[1]) in message and repr(keys[2]) in message
+    assert report.check(KEYS_MATCH).metadata == {
+        "rows": 10, "main_rows": 10, "mismatching_rows": 2, "first_mismatch_row": 1, "key": keys[1], "main_key": keys[2]
+    }
+    assert report.check(SHARD_COMPLETE).passed
+
+
+def test_missing_shard_is_a_failed_check_and_listed_missing(sidecar_build):
+    Path(sidecar_build.r1024.child(REL)).unlink()
+    report = sidecar_build.verify("1024")
+    assert_failed(report, SHARD_COMPLETE, sidecar_build.r1024, containing="is missing")
+    for name in RESIZED_CHECKS:
+        assert not report.check(name).passed and sidecar_build.r1024.child(REL) in report.check(name).message
+    summary = dataset_summary(sidecar_build.main, {"512": sidecar_build.r512, "1024": sidecar_build.r1024})
+    assert summary["outputs"]["1024"]["missing"] == [REL]
+    assert summary["outputs"]["512"]["missing"] == []
+    assert summary["outputs"]["1024"]["shards"] == summary["main"]["shards"] - 1
+
+
+def test_broken_parquet_file_is_a_failed_check(sidecar_build):
+    path = Path(sidecar_build.r512.child(REL))
+    path.write_bytes(path.read_bytes()[:1000])
+    report = sidecar_build.verify("512")
+    assert_failed(report, SHARD_COMPLETE, sidecar_build.r512, containing="not a readable Parquet file")
+
+
+def test_missing_main_shard_fails_every_check_naming_it(sidecar_build):
+    Path(sidecar_build.main.child(REL)).unlink()
+    report = sidecar_build.verify("512")
+    assert all(not c.passed and sidecar_build.main.child(REL) in c.message for c in report.checks)
+
+
+def test_image_whose_size_differs_from_its_audit_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["512"]
+    row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", True)
+    width, height = column(sidecar_build.r512, REL, f"{prefix}_width")[row], column(sidecar_build.r512, REL, f"{prefix}_height")[row]
+    wrong = io.BytesIO()
+    Image.new("RGB", (width + 32, height), (10, 20, 30)).save(wrong, "WEBP")
+    images = column(sidecar_build.r512, REL, "image")
+    images[row] = wrong.getvalue()
+    rewrite_shard(sidecar_build.r512, REL, lambda t: replace_column(t, "image", images))
+    report = sidecar_build.verify("512")
+    message = assert_failed(report, SAMPLE_IMAGES, sidecar_build.r512, containing=f"row {row}")
+    assert f"decoded size {width + 32}x{height} differs from the audit's {width}x{height}" in message
+    assert report.check(AUDIT_CONSISTENT).passed
+
+
+def test_undecodable_sampled_image_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["1024"]
+    row = first_row(sidecar_build.r1024, REL, f"{prefix}_valid", True)
+    images = column(sidecar_build.r1024, REL, "image")
+    images[row] = images[row][:200]
+    rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, "image", images))
+    assert_failed(sidecar_build.verify("1024"), SAMPLE_IMAGES, sidecar_build.r1024, containing="does not decode")
+
+
+def test_audit_geometry_off_spec_is_caught(sidecar_build):
+    # A crop box that is not SPEC 3's: the whole source, uncropped.
+    prefix = sidecar_build.prefixes["512"]
+    row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", True)
+    x0 = column(sidecar_build.r512, REL, f"{prefix}_crop_x0")
+    y0 = column(sidecar_build.r512, REL, f"{prefix}_crop_y0")
+    x1 = column(sidecar_build.r512, REL, f"{prefix}_crop_x1")
+    y1 = column(sidecar_build.r512, REL, f"{prefix}_crop_y1")
+    x0[row], y0[row] = 0.0, 0.0
+    x1[row] = float(column(sidecar_build.r512, REL, f"{prefix}_src_width")[row])
+    y1[row] = float(column(sidecar_build.r512, REL, f"{prefix}_src_height")[row])
+
+    def change(table):
+        for name, values in (("x0", x0), ("y0", y0), ("x1", x1), ("y1", y1)):
+            table = replace_column(table, f"{prefix}_crop_{name}", values)
+        return table
+
+    rewrite_shard(sidecar_build.r512, REL, change)
+    message = assert_failed(sidecar_build.verify("512"), SAMPLE_IMAGES, sidecar_build.r512, containing=f"row {row}")
+    assert "crop box" in message
+
+
+def test_aspect_tolerance_holds_one_pixel_and_rejects_a_skipped_crop():
+    rng = random.Random(7)
+    for _ in range(500):
+        w, h = rng.randint(64, 6000), rng.randint(64, 6000)
+        if max(w / h, h / w) > 8:
+            continue
+        g = geometry(w, h, 262144)
+        tw, th = g.target_size
+        box = g.crop_box
+        for ew in (-1.0, 0.0, 1.0):
+            for eh in (-1.0, 0.0, 1.0):
+                cw, ch = box.width + ew, box.height + eh
+                assert abs(tw / th - cw / ch) <= aspect_tolerance((tw, th), ch)
+    # 4000x3000 at 512 area is 576x448: the uncropped source is far outside the bound.
+    assert abs(576 / 448 - 4000 / 3000) > 10 * aspect_tolerance((576, 448), 3000)
+    assert math.isclose(aspect_tolerance((576, 448), 3000), (1 + 576 / 448) / 3000, rel_tol=1e-6)
+
+
+def test_invalid_row_without_error_code_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["512"]
+    row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", False)
+    errors = column(sidecar_build.r512, REL, f"{prefix}_error")
+    errors[row] = None
+    rewrite_shard(sidecar_build.r512, REL, lambda t: replace_column(t, f"{prefix}_error", errors))
+    report = sidecar_build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, sidecar_build.r512, containing=f"row {row}")
+    assert "invalid row has no error code" in report.check(AUDIT_CONSISTENT).message
+    assert report.error_counts.get("(none)") == 1
+
+
+def test_unknown_error_code_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["1024"]
+    row = first_row(sidecar_build.r1024, REL, f"{prefix}_valid", False)
+    errors = column(sidecar_build.r1024, REL, f"{prefix}_error")
+    errors[row] = "gremlins"
+    rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, f"{prefix}_error", errors))
+    assert_failed(sidecar_build.verify("1024"), AUDIT_CONSISTENT, sidecar_build.r1024, containing="unknown error code 'gremlins'")
+
+
+def test_valid_row_without_image_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["1024"]
+    row = first_row(sidecar_build.r1024, REL, f"{prefix}_valid", True)
+    images = column(sidecar_build.r1024, REL, "image")
+    images[row] = None
+    rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, "image", images))
+    report = sidecar_build.verify("1024")
+    assert_failed(report, AUDIT_CONSISTENT, sidecar_build.r1024, containing=f"row {row}")
+    assert "valid row has no image" in report.check(AUDIT_CONSISTENT).message
+    assert report.check(SAMPLE_IMAGES).passed  # a missing image is the audit's finding, not the sample's
+
+
+def test_invalid_row_with_an_image_is_caught(sidecar_build):
+    prefix = sidecar_build.prefixes["512"]
+    invalid_row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", False)
+    valid_row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", True)
+    images = column(sidecar_build.r512, REL, "image")
+    images[invalid_row] = images[valid_row]
+    rewrite_shard(sidecar_build.r512, REL, lambda t: replace_column(t, "image", images))
+    assert_failed(sidecar_build.verify("512"), AUDIT_CONSISTENT, sidecar_build.r512, containing="invalid row has an image")
+
+
+def test_missing_audit_column_fails_audit_and_sample_checks(sidecar_build):
+    prefix = sidecar_build.prefixes["512"]
+    rewrite_shard(sidecar_build.r512, REL, lambda t: t.drop_columns([f"{prefix}_error"]))
+    report = sidecar_build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, sidecar_build.r512, containing=f"{prefix}_error")
+    assert_failed(report, SAMPLE_IMAGES, sidecar_build.r512, containing=f"{prefix}_error")
+    assert report.check(KEYS_MATCH).passed
+
+
+def test_s3_verify_and_summary(sidecar_build, s3_bucket):
+    client = locations.s3_client()
+    roots = {}
+    for name, location in (("main", sidecar_build.main), ("512", sidecar_build.r512), ("1024", sidecar_build.r1024)):
+        for path in sorted(Path(location.path).rglob("*.parquet")):
+            key = f"data/{name}/{path.relative_to(location.path).as_posix()}"
+            client.upload_file(str(path), s3_bucket, key)
+        roots[name] = Location.parse(f"s3://{s3_bucket}/data/{name}")
+    client.delete_object(Bucket=s3_bucket, Key=f"data/1024/{REL}")
+
+    layout = sidecar_layout(roots["main"], roots["512"], roots["1024"], None)
+    report = verify_resized_shard(layout, REL, "512")
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.shard == f"s3://{s3_bucket}/data/512/{REL}"
+    missing = verify_resized_shard(layout, REL, "1024")
+    assert_failed(missing, SHARD_COMPLETE, roots["1024"], containing="is missing")
+
+    summary = dataset_summary(roots["main"], {"512": roots["512"], "1024": roots["1024"]})
+    local = dataset_summary(sidecar_build.main, {"512": sidecar_build.r512, "1024": sidecar_build.r1024})
+    assert summary["main"]["shards"] == 3 and summary["main"]["total_bytes"] == local["main"]["total_bytes"]
+    assert summary["outputs"]["512"]["total_bytes"] == local["outputs"]["512"]["total_bytes"]
+    assert summary["outputs"]["1024"]["missing"] == [REL] and summary["outputs"]["1024"]["shards"] == 2
+
+
+def test_struct_image_layout_and_square_builds(tmp_path):
+    """Hugging Face {bytes, path} images; a dataset built square is checked as square."""
+    main = Location.parse(tmp_path / "main")
+    write_sample_dataset(main, shards=("s.parquet",), rows_per_shard=5, struct_images=True)
+    output = Location.parse(tmp_path / "square512")
+    layout = DatasetLayout(main, {"512": ResizedOutput(output, 262144, "0_26mp_process")})
+    build_resized_shard(layout, "s.parquet", options=PixelOptions(square=True))
+
+    def verify(square: bool):
+        return verify_resized_shard(layout, "s.parquet", "512", VerifyOptions(square=square))
+
+    report = verify(square=True)
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.check(SAMPLE_IMAGES).metadata["sampled"] == report.valid > 0
+    # Checked as a non-square dataset, the square outputs are not SPEC 3's aspect-keeping sizes.
+    assert_failed(verify(square=False), SAMPLE_IMAGES, output, rel="s.parquet")
+
+    prefix = "0_26mp_process"
+    row = first_row(output, "s.parquet", f"{prefix}_valid", True)
+    images = column(output, "s.parquet", "image")
+    images[row] = {**images[row], "bytes": None}
+    rewrite_shard(output, "s.parquet", lambda t: replace_column(t, "image", images))
+    assert_failed(verify(square=True), AUDIT_CONSISTENT, output, rel="s.parquet", containing="valid row has no image")
+
+
+def test_missing_key_column_fails_keys_match_without_raising(sidecar_build):
+    rewrite_shard(sidecar_build.r512, REL, lambda t: t.drop_columns(["image_key"]))
+    report = sidecar_build.verify("512")
+    assert_failed(report, KEYS_MATCH, sidecar_build.r512, containing="key column 'image_key' is missing")
+    assert report.check(SHARD_COMPLETE).passed and report.check(AUDIT_CONSISTENT).passed
+
+
+def test_empty_image_bytes_count_as_no_image(sidecar_build):
+    prefix = sidecar_build.prefixes["512"]
+    row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", True)
+    images = column(sidecar_build.r512, REL, "image")
+    images[row] = b""
+    rewrite_shard(sidecar_build.r512, REL, lambda t: replace_column(t, "image", images))
+    report = sidecar_build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, sidecar_build.r512, containing="valid row has no image")
+    assert row not in report.check(SAMPLE_IMAGES).metadata["sampled_rows"]
+
+
+def test_image_column_of_the_wrong_type_fails_without_raising(sidecar_build):
+    rewrite_shard(sidecar_build.r512, REL, lambda t: t.set_column(1, "image", pa.array(range(t.num_rows), pa.int64())))
+    report = sidecar_build.verify("512")
+    assert_failed(report, AUDIT_CONSISTENT, sidecar_build.r512, containing="has type int64, not encoded bytes")
+    assert_failed(report, SAMPLE_IMAGES, sidecar_build.r512, containing="has type int64")
+    assert report.check(KEYS_MATCH).passed
+
+
+def test_only_the_sampled_images_leave_arrow(sidecar_build, monkeypatch):
+    # Presence is computed in Arrow; Python sees the bytes of the sampled rows only.
+    from fixed_res_sidecar.shards.verify import resized as verify
+
+    copied = []
+    real = verify.image_bytes_array
+
+    class Counting:
+        def __init__(self, array):
+            self.array = array
+
+        def take(self, indices):
+            copied.extend(indices)
+            return self.array.take(indices)
+
+    monkeypatch.setattr(verify, "image_bytes_array", lambda cells: Counting(real(cells)))
+    report = sidecar_build.verify("1024", sample=2)
+    assert report.passed and len(copied) == 2 == report.check(SAMPLE_IMAGES).metadata["sampled"]
+
+
+def test_resized_verification_problems_name_the_shard_and_failed_checks(sidecar_build):
+    options = VerifyOptions(sample=2)
+    assert resized_verification_problems(sidecar_build.layout(), REL, options) == []
+    prefix = sidecar_build.prefixes["1024"]
+    row = first_row(sidecar_build.r1024, REL, f"{prefix}_valid", True)
+    images = column(sidecar_build.r1024, REL, "image")
+    images[row] = None
+    rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, "image", images))
+    (problem,) = resized_verification_problems(sidecar_build.layout(), REL, options)
+    assert problem.startswith(f"resized 1024 shard {sidecar_build.r1024.child(REL)} did not pass the verifier: audit_consistent (")
+    assert "valid row has no image" in problem
