@@ -354,3 +354,10 @@ def ensure_memory_corpus(
         (root / MANIFEST).write_text(json.dumps(manifest))
     rows_specs = [ImageSpec(**s) for s in manifest["specs"]]
     return Corpus(root, root / "main", [name], rows_specs, manifest["source_bytes"], manifest)
+
+
+def shard_images(main: Path, shard: str) -> Iterator[bytes]:
+    """The encoded images of a main shard, read one row group at a time (so only one is in memory)."""
+    source = pq.ParquetFile(main / shard)
+    for index in range(source.metadata.num_row_groups):
+        yield from source.read_row_group(index, columns=[IMAGE_COLUMN]).column(0).to_pylist()

@@ -4,14 +4,15 @@
 Per image: open, ImageOps.exif_transpose, convert("RGB"), ImageOps.fit(LANCZOS) to each
 target size, WebP (quality, method) of each.
 
-This file imports only the standard library, PIL and pyarrow, so that benchmarks/run.py
-can start it with the python of a separate virtual environment holding plain Pillow 13
-(issue 6 defines the baseline on Pillow 13, while the project's environment has
-pillow-simd). The target sizes come from the project's fixed_res_sidecar/core/geometry.py,
-which is pure stdlib and is loaded here by file path, without importing the
-fixed_res_sidecar package (whose other modules need pillow-simd and numpy).
+This file imports only the standard library, PIL and pyarrow, and nothing from its package,
+so that the benchmark can run it as a script on the python of a separate virtual environment
+holding plain Pillow 13 (issue 6 defines the baseline on Pillow 13, while the project's
+environment has pillow-simd). The target sizes come from the project's
+fixed_res_sidecar/core/geometry.py, which is pure stdlib: the parent sends its path and it is
+loaded here by that path, without importing the fixed_res_sidecar package (whose other
+modules need pillow-simd and numpy).
 
-Protocol (the same as run.py's own workers): started as
+Protocol (the same as the floor and fused workers of workers.py): started as
 `python naive_worker.py SPEC_JSON`; it writes one JSON line {"ready": true, ...} with the
 PIL it runs on, then answers JSON-line requests read on stdin:
 {"op": "warmup"}, {"op": "run", "shard": NAME}, {"op": "exit"}. Replies go to the real
@@ -76,7 +77,7 @@ def _cpu() -> float:
     return time.process_time()
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
@@ -125,7 +126,7 @@ class NaiveWorker:
         out = io.BytesIO()
         picture.save(out, "JPEG", quality=90, exif=exif.tobytes())
         self.one(out.getvalue(), dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0))
-        return {"rss_mb": _rss_mb()}
+        return {"rss_mb": rss_mb()}
 
     def run(self, shard: str) -> dict:
         """Reading the shard is not timed (the naive pipeline gets its bytes for free)."""
@@ -158,8 +159,8 @@ class NaiveWorker:
 def serve(make_worker, handlers: dict) -> None:
     """Serve JSON-line requests on stdin with the worker `make_worker()` builds; `handlers` maps
     an op to `handler(worker, request) -> reply`. Replies go to the real stdout, anything else
-    the process prints to stderr. Shared with run.py's workers: this file must stay importable
-    on plain Pillow with the standard library only, so the protocol lives here."""
+    the process prints to stderr. Shared with the workers of workers.py: this file must stay
+    importable on plain Pillow with the standard library only, so the protocol lives here."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -169,7 +170,7 @@ def serve(make_worker, handlers: dict) -> None:
     except Exception as exc:
         protocol.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         return
-    protocol.write(json.dumps({"ready": True, "rss_mb": _rss_mb(), "pil": info}) + "\n")
+    protocol.write(json.dumps({"ready": True, "rss_mb": rss_mb(), "pil": info}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         op = request["op"]

@@ -1,36 +1,26 @@
-"""Smoke test of benchmarks/run.py on a tiny corpus: the machinery runs and reports every field.
+"""Smoke test of the benchmarks package on a tiny corpus: the machinery runs and reports every field.
 
 No timing assertions: the figures themselves are only meaningful on the real corpus.
 """
 
-import importlib.util
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmarks import cli, corpus, naive_worker
+from benchmarks.common import DEFAULT_WORKDIR
+from benchmarks.naive_venv import NAIVE_PILLOW_VERSION, NAIVE_VENV_NAME, NaiveVenvError, ensure_naive_venv
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        spec = importlib.util.spec_from_file_location("fixed_res_benchmarks_run", BENCHMARKS / "run.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("fixed_res_benchmarks_run", None)
-        sys.path.remove(str(BENCHMARKS))
-
-
-def test_corpus_is_deterministic_and_photo_like(bench):
-    corpus = bench.corpus_mod
+def test_corpus_is_deterministic_and_photo_like():
     specs = corpus.corpus_specs(120)
     assert specs == corpus.corpus_specs(120)
     long_sides = [max(s.width, s.height) for s in specs]
@@ -45,22 +35,22 @@ def test_corpus_is_deterministic_and_photo_like(bench):
         assert corpus.encode_spec(spec) == corpus.encode_spec(spec)
 
 
-def _naive_args(bench) -> tuple[list[str], bool]:
+def _naive_args() -> tuple[list[str], bool]:
     """The Pillow 13 venv of the default workdir when a benchmark run already made it, else the installed PIL.
 
     Never creates the venv (that downloads Pillow): --naive-venv-no-create.
     """
-    venv = bench.DEFAULT_WORKDIR / bench.NAIVE_VENV_NAME
+    venv = DEFAULT_WORKDIR / NAIVE_VENV_NAME
     try:
-        bench.ensure_naive_venv(venv, create=False)
-    except bench.NaiveVenvError:
+        ensure_naive_venv(venv, create=False)
+    except NaiveVenvError:
         return ["--naive-on-installed-pil"], False
     return ["--naive-venv", str(venv), "--naive-venv-no-create"], True
 
 
 def test_naive_worker_imports_only_pil_pyarrow_and_stdlib():
     """naive_worker.py must run in the Pillow 13 venv, where neither numpy nor the project can be imported."""
-    source = (BENCHMARKS / "naive_worker.py").read_text()
+    source = Path(naive_worker.__file__).read_text()
     imported = {
         line.split()[1].split(".")[0]
         for line in source.splitlines()
@@ -69,10 +59,10 @@ def test_naive_worker_imports_only_pil_pyarrow_and_stdlib():
     assert imported <= {"importlib", "io", "json", "os", "resource", "sys", "time", "pathlib", "pyarrow", "PIL"}, imported
 
 
-def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, capsys):
+def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
     out = tmp_path / "report.json"
-    naive_args, naive_in_venv = _naive_args(bench)
-    report = bench.main(
+    naive_args, naive_in_venv = _naive_args()
+    report = cli.main(
         [
             "--profile", "tiny", "--images", "2", "--shards", "2", "--workdir", str(tmp_path / "work"),
             "--threads", "2", "--json", str(out), *naive_args,
@@ -89,7 +79,9 @@ def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, ca
     assert any(p["threads"] == 2 for p in pipelines.values())
     for pipeline in pipelines.values():
         assert pipeline["images"] == 2 and pipeline["valid"] == 2
-        for field in ("images_per_s_per_core", "ms_per_image", "cpu_ms_per_image", "bytes_per_image_512", "bytes_per_image_1024", "peak_rss_mb"):
+        for field in (
+            "images_per_s_per_core", "ms_per_image", "cpu_ms_per_image", "bytes_per_image_512", "bytes_per_image_1024", "peak_rss_mb",
+        ):
             assert pipeline[field] > 0, field
     assert {"fused_m4_over_naive_m4", "fused_m4_over_floor_m4", "threads_speedup"} <= compare["ratios"].keys()
     assert all(math.isfinite(r["wall"]) and r["wall"] > 0 for r in compare["ratios"].values())
@@ -102,7 +94,7 @@ def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, ca
         assert info["webp"] and info["libwebp"] and isinstance(info["is_pillow_simd"], bool) and info["version"]
     if naive_in_venv:
         assert compare["naive_runtime"]["kind"] == "venv" and not compare["naive_runtime"]["created"]
-        assert naive_pil["version"] == bench.NAIVE_PILLOW_VERSION and not naive_pil["is_pillow_simd"]
+        assert naive_pil["version"] == NAIVE_PILLOW_VERSION and not naive_pil["is_pillow_simd"]
         assert naive_pil["python"] != project_pil["python"]
     else:
         assert compare["naive_runtime"]["kind"] == "installed" and naive_pil == project_pil
@@ -132,7 +124,16 @@ def test_compare_webp_methods_and_memory_report_their_fields(bench, tmp_path, ca
         assert heading in printed
 
 
-def test_naive_venv_is_never_created_when_not_allowed(bench, tmp_path):
-    with pytest.raises(bench.NaiveVenvError, match="not allowed"):
-        bench.ensure_naive_venv(tmp_path / "no-venv", create=False)
+def test_naive_venv_is_never_created_when_not_allowed(tmp_path):
+    with pytest.raises(NaiveVenvError, match="not allowed"):
+        ensure_naive_venv(tmp_path / "no-venv", create=False)
     assert not (tmp_path / "no-venv").exists()
+
+
+@pytest.mark.parametrize("command", [["-m", "benchmarks"], [str(REPO / "benchmarks" / "run.py")]], ids=["-m", "run.py"])
+def test_both_invocations_reach_the_options(command, tmp_path):
+    """`python -m benchmarks` from the repository root, and the run.py alias from anywhere, without PYTHONPATH."""
+    cwd = REPO if command[0] == "-m" else tmp_path
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, *command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    assert "--webp-methods" in done.stdout and "--naive-venv-no-create" in done.stdout
