@@ -30,15 +30,21 @@ from benchmarks.webp_methods import print_webp_methods, run_webp_methods
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--images", type=int, default=120, help="corpus size (default 120: about 3 minutes on 2 cores)")
     parser.add_argument("--shards", type=int, default=6, help="corpus shards; pipelines are interleaved per shard")
-    parser.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"corpus cache and outputs (default {DEFAULT_WORKDIR})")
+    parser.add_argument(
+        "--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"corpus cache and outputs (default {DEFAULT_WORKDIR})"
+    )
     parser.add_argument("--threads", type=int, default=2, help="threads for the multi-threaded fused build (default 2)")
     parser.add_argument("--json", type=Path, help="also write the full report as JSON here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--style", choices=("textured", "sample"), default="textured", help="corpus content (see corpus.py)")
+    parser.add_argument(
+        "--style", choices=("textured", "sample"), default="textured", help="corpus content (see corpus.py)"
+    )
     parser.add_argument("--profile", choices=("photo", "tiny"), default="photo", help=argparse.SUPPRESS)
     parser.add_argument(
         "--naive-on-installed-pil",
@@ -51,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"virtual environment for the naive baseline (default WORKDIR/{NAIVE_VENV_NAME}; created with "
         f"pillow=={NAIVE_PILLOW_VERSION} when missing)",
     )
-    parser.add_argument("--naive-venv-no-create", action="store_true", help="fail instead of creating (downloading) the naive venv")
-    parser.add_argument("--compare", action="store_true", help="run the comparison too when --webp-methods/--memory is given")
+    parser.add_argument(
+        "--naive-venv-no-create", action="store_true", help="fail instead of creating (downloading) the naive venv"
+    )
+    parser.add_argument(
+        "--compare", action="store_true", help="run the comparison too when --webp-methods/--memory is given"
+    )
     parser.add_argument("--webp-methods", action="store_true", help="time, bytes and PSNR per WebP method")
     parser.add_argument("--methods", default="0,1,2,3,4,5,6", help="methods for --webp-methods (default 0..6)")
     parser.add_argument("--webp-images", type=int, help="use only the first N corpus images for --webp-methods")
@@ -65,7 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=corpus.MEMORY_ROW_GROUP_ROWS,
         help="rows per row group of the memory shard (default 32, ~230 MB; 100 = Hugging Face's layout, ~720 MB here)",
     )
-    parser.add_argument("--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard"
+    )
     return parser.parse_args(argv)
 
 
@@ -77,13 +89,18 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict[str, Any] = {}
     if args.compare or not (args.webp_methods or args.memory or args.cprofile):
         naive = naive_runtime(
-            args.workdir, on_installed_pil=args.naive_on_installed_pil, venv=args.naive_venv, create=not args.naive_venv_no_create
+            args.workdir,
+            on_installed_pil=args.naive_on_installed_pil,
+            venv=args.naive_venv,
+            create=not args.naive_venv_no_create,
         )
         report["compare"] = run_compare(args.workdir, args.images, args.shards, args.threads, naive=naive, **common)
         print_compare(report["compare"])
     if args.webp_methods:
         methods = tuple(int(m) for m in args.methods.split(","))
-        report["webp_methods"] = run_webp_methods(args.workdir, args.images, args.shards, methods, limit=args.webp_images, **common)
+        report["webp_methods"] = run_webp_methods(
+            args.workdir, args.images, args.shards, methods, limit=args.webp_images, **common
+        )
         print_webp_methods(report["webp_methods"])
     if args.memory:
         specs = corpus.corpus_specs(3, args.seed, "tiny") if args.profile == "tiny" else None

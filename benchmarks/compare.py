@@ -31,18 +31,36 @@ def _cpu_busy_seconds() -> float:
 
 def pipelines_for(default_method: int, threads: int) -> list[Pipeline]:
     pipes = [
-        Pipeline("naive_m4", "naive", 4, 1, "naive (open, exif_transpose, RGB, ImageOps.fit Lanczos x2, WebP m4), see naive_worker.py"),
+        Pipeline(
+            "naive_m4",
+            "naive",
+            4,
+            1,
+            "naive (open, exif_transpose, RGB, ImageOps.fit Lanczos x2, WebP m4), see naive_worker.py",
+        ),
         Pipeline("floor_m4", "floor", 4, 1, "floor (draft decode + WebP m4 encode of both, nothing else)"),
         Pipeline("fused_m4", "fused", 4, 1, "project fused build_resized_shard, m4, threads=1"),
     ]
     if default_method != 4:
         pipes += [
-            Pipeline(f"floor_m{default_method}", "floor", default_method, 1, f"floor at the default method {default_method}"),
-            Pipeline(f"fused_m{default_method}", "fused", default_method, 1, f"project fused, default m{default_method}, threads=1"),
+            Pipeline(
+                f"floor_m{default_method}", "floor", default_method, 1, f"floor at the default method {default_method}"
+            ),
+            Pipeline(
+                f"fused_m{default_method}",
+                "fused",
+                default_method,
+                1,
+                f"project fused, default m{default_method}, threads=1",
+            ),
         ]
     if threads > 1:
         name = f"fused_m{default_method}_t{threads}"
-        pipes.append(Pipeline(name, "fused", default_method, threads, f"project fused, default m{default_method}, threads={threads}"))
+        pipes.append(
+            Pipeline(
+                name, "fused", default_method, threads, f"project fused, default m{default_method}, threads={threads}"
+            )
+        )
     return pipes
 
 
@@ -118,13 +136,21 @@ def run_compare(
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
     naive = naive or naive_runtime(workdir)
     pipes = pipelines_for(DEFAULT_METHOD, threads)
-    log(f"compare: {corpus.images} images in {len(corpus.shards)} shards, pipelines: {', '.join(p.name for p in pipes)}")
+    log(
+        f"compare: {corpus.images} images in {len(corpus.shards)} shards, pipelines: {', '.join(p.name for p in pipes)}"
+    )
     log(f"compare: naive pipeline on {naive.info['distribution']} {naive.info['version']} ({naive.python})")
     workers = _start(pipes, corpus.main, workdir / "out", naive)
     stats: dict[str, dict[str, Any]] = {
         p.name: {
-            **dict.fromkeys(_SUMMED, 0), "bytes": [0, 0], "per_shard": [], "per_shard_cpu": [], "per_shard_foreign": [],
-            "foreign_cpu": 0.0, "phase_wall": {}, "phase_cpu": {},
+            **dict.fromkeys(_SUMMED, 0),
+            "bytes": [0, 0],
+            "per_shard": [],
+            "per_shard_cpu": [],
+            "per_shard_foreign": [],
+            "foreign_cpu": 0.0,
+            "phase_wall": {},
+            "phase_cpu": {},
         }
         for p in pipes
     }
@@ -156,7 +182,12 @@ def run_compare(
         "load_average_end": os.getloadavg(),
         "elapsed_s": time.perf_counter() - started,
         "corpus": report.corpus_info(corpus),
-        "settings": {"quality": QUALITY, "default_webp_method": DEFAULT_METHOD, "patch_size": PATCH, "threads": threads},
+        "settings": {
+            "quality": QUALITY,
+            "default_webp_method": DEFAULT_METHOD,
+            "patch_size": PATCH,
+            "threads": threads,
+        },
         "naive_runtime": naive.describe(),
         "libraries": {
             "naive": naive_pil,

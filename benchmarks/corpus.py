@@ -118,7 +118,9 @@ def corpus_specs(n_images: int, seed: int = 0, profile: str = "photo") -> list[I
         else:
             orientation = {3: 6, 7: 8, 9: 3}.get(index % 10, 1)
         quality = rng.choice((85, 90, 90, 95))
-        specs.append(ImageSpec(index, width, height, "PNG" if is_png else "JPEG", orientation, quality, rng.getrandbits(32)))
+        specs.append(
+            ImageSpec(index, width, height, "PNG" if is_png else "JPEG", orientation, quality, rng.getrandbits(32))
+        )
     return specs
 
 
@@ -249,7 +251,14 @@ def ensure_corpus(
 ) -> Corpus:
     """The comparison corpus under `workdir`, generated on first use and reused afterwards."""
     shards = max(1, min(shards, n_images))
-    params = {"version": CORPUS_VERSION, "images": n_images, "shards": shards, "seed": seed, "profile": profile, "style": style}
+    params = {
+        "version": CORPUS_VERSION,
+        "images": n_images,
+        "shards": shards,
+        "seed": seed,
+        "profile": profile,
+        "style": style,
+    }
     tag = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(workdir) / f"corpus-{profile}-{style}-{n_images}x{shards}-{tag}"
     specs = corpus_specs(n_images, seed, profile)
@@ -270,9 +279,15 @@ def ensure_corpus(
                 keys.append(_key(spec))
                 images.append(data)
                 total += len(data)
-            table = pa.table({KEY_COLUMN: pa.array(keys), IMAGE_COLUMN: pa.array(images, pa.binary())}, schema=_schema())
+            table = pa.table(
+                {KEY_COLUMN: pa.array(keys), IMAGE_COLUMN: pa.array(images, pa.binary())}, schema=_schema()
+            )
             pq.write_table(
-                table, root / "main" / name, row_group_size=ROW_GROUP_ROWS, compression="none", use_dictionary=[KEY_COLUMN]
+                table,
+                root / "main" / name,
+                row_group_size=ROW_GROUP_ROWS,
+                compression="none",
+                use_dictionary=[KEY_COLUMN],
             )
         manifest = {"params": params, "source_bytes": total, "specs": [asdict(s) for s in specs]}
         (root / MANIFEST).write_text(json.dumps(manifest))
@@ -327,7 +342,9 @@ def ensure_memory_corpus(
         if root.exists():
             shutil.rmtree(root)
         (root / "main").mkdir(parents=True)
-        log(f"memory corpus: generating {len(specs)} distinct large JPEGs, ~{target_bytes / 1e9:.2f} GB shard in {root} ...")
+        log(
+            f"memory corpus: generating {len(specs)} distinct large JPEGs, ~{target_bytes / 1e9:.2f} GB shard in {root} ..."
+        )
         distinct_bytes = list(_generate([(spec, style) for spec in specs], workers or os.cpu_count() or 1))
         rows_specs: list[ImageSpec] = []
         total = 0
@@ -342,7 +359,9 @@ def ensure_memory_corpus(
                 rows_specs.append(specs[i % len(specs)])
                 total += len(data)
                 if len(keys) == row_group_rows or total >= target_bytes:
-                    writer.write_table(pa.table({KEY_COLUMN: keys, IMAGE_COLUMN: pa.array(images, pa.binary())}, schema=_schema()))
+                    writer.write_table(
+                        pa.table({KEY_COLUMN: keys, IMAGE_COLUMN: pa.array(images, pa.binary())}, schema=_schema())
+                    )
                     keys, images = [], []
         manifest = {
             "params": params,

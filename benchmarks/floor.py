@@ -82,6 +82,11 @@ def run(images: Iterable[bytes], method: int) -> dict:
         for i, data_out in enumerate(encoded):
             totals[i] += len(data_out)
     return {
-        "wall": sum(wall.values()), "cpu": sum(cpu.values()), "phase_wall": wall, "phase_cpu": cpu,
-        "images": n, "valid": n, "bytes": totals,
+        "wall": sum(wall.values()),
+        "cpu": sum(cpu.values()),
+        "phase_wall": wall,
+        "phase_cpu": cpu,
+        "images": n,
+        "valid": n,
+        "bytes": totals,
     }

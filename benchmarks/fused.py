@@ -12,24 +12,23 @@ from benchmarks.common import AREAS
 from fixed_res_sidecar.core.pixels import PixelOptions, process_image
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.shards.resize import ResizedOutput, ShardResult, build_resized_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resized_output
+from fixed_res_sidecar.shards.resize import ShardResult, build_resized_shard
 
 
 def outputs(out: Path) -> list[ResizedOutput]:
     """One output dataset per resolution, in a folder under `out` named after its default audit prefix."""
-    return [ResizedOutput(Location.parse(out / r.audit_prefix), r.area, r.audit_prefix) for r in RESOLUTIONS.values()]
+    return [resized_output(name, Location.parse(out / r.audit_prefix)) for name, r in RESOLUTIONS.items()]
 
 
 def build(main: Path, shard: str, out: Path, method: int, threads: int) -> ShardResult:
-    return build_resized_shard(
+    layout = DatasetLayout(
         Location.parse(main),
-        shard,
-        outputs(out),
+        {o.resolution: o for o in outputs(out)},
         key_column=corpus.KEY_COLUMN,
         image_column=corpus.IMAGE_COLUMN,
-        options=PixelOptions(webp_method=method),
-        threads=threads,
     )
+    return build_resized_shard(layout, shard, options=PixelOptions(webp_method=method), threads=threads)
 
 
 def warm_up(data: bytes, method: int) -> None:

@@ -13,13 +13,21 @@ from benchmarks.workers import Pipeline, WorkerProcess
 
 
 def run_memory(
-    workdir: Path, gigabytes: float, threads: int, *, distinct: int = 8, row_group_rows: int = corpus_mod.MEMORY_ROW_GROUP_ROWS, specs=None
+    workdir: Path,
+    gigabytes: float,
+    threads: int,
+    *,
+    distinct: int = 8,
+    row_group_rows: int = corpus_mod.MEMORY_ROW_GROUP_ROWS,
+    specs=None,
 ) -> dict:
     distinct = len(specs) if specs is not None else distinct
     corpus = corpus_mod.ensure_memory_corpus(
         workdir, int(gigabytes * 1e9), distinct=distinct, row_group_rows=row_group_rows, specs=specs, log=log
     )
-    pipeline = Pipeline(f"memory_fused_m{DEFAULT_METHOD}_t{threads}", "fused", DEFAULT_METHOD, threads, "fused build of one large shard")
+    pipeline = Pipeline(
+        f"memory_fused_m{DEFAULT_METHOD}_t{threads}", "fused", DEFAULT_METHOD, threads, "fused build of one large shard"
+    )
     log(f"memory: {corpus.images} rows, {corpus.source_bytes / 1e9:.2f} GB of JPEG in one shard, threads={threads}")
     worker = WorkerProcess(pipeline, corpus.main, workdir / "out" / pipeline.name)
     try:
@@ -35,7 +43,8 @@ def run_memory(
         "machine": machine_info(),
         "rows": corpus.images,
         "row_groups": metadata.num_row_groups,
-        "largest_row_group_mb": max(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)) / 1e6,
+        "largest_row_group_mb": max(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+        / 1e6,
         "source_bytes": corpus.source_bytes,
         "distinct_images": [f"{s['width']}x{s['height']}" for s in corpus.manifest["specs"][:distinct]],
         "threads": threads,

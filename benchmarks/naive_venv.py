@@ -123,16 +123,24 @@ def ensure_naive_venv(venv: Path, *, create: bool = True) -> NaiveRuntime:
     log(f"naive venv: creating {venv} and installing {' '.join(requirements)} (first run only) ...")
     env = _isolated_env()
     _run_logged([sys.executable, "-m", "venv", str(venv)], "creating the naive venv (python -m venv)", env)
-    _run_logged([str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements], "pip install in the naive venv", env)
+    _run_logged(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", *requirements],
+        "pip install in the naive venv",
+        env,
+    )
     info = _probe_venv(python)
     problems = _venv_problems(info)
     if problems:
         raise NaiveVenvError(f"naive venv {venv} after install: {'; '.join(problems)} ({info})")
-    log(f"naive venv: ready in {time.perf_counter() - started:.0f} s: {info['distribution']} {info['version']}, libwebp {info['libwebp']}")
+    log(
+        f"naive venv: ready in {time.perf_counter() - started:.0f} s: {info['distribution']} {info['version']}, libwebp {info['libwebp']}"
+    )
     return NaiveRuntime("venv", str(python), str(venv), True, info)
 
 
-def naive_runtime(workdir: Path, *, on_installed_pil: bool = False, venv: Path | None = None, create: bool = True) -> NaiveRuntime:
+def naive_runtime(
+    workdir: Path, *, on_installed_pil: bool = False, venv: Path | None = None, create: bool = True
+) -> NaiveRuntime:
     if on_installed_pil:
         return NaiveRuntime.installed()
     return ensure_naive_venv(venv or workdir / NAIVE_VENV_NAME, create=create)

@@ -190,7 +190,10 @@ def main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     serve(
         lambda: NaiveWorker(spec),
-        {"warmup": lambda worker, request: worker.warmup(), "run": lambda worker, request: worker.run(request["shard"])},
+        {
+            "warmup": lambda worker, request: worker.warmup(),
+            "run": lambda worker, request: worker.run(request["shard"]),
+        },
     )
 
 

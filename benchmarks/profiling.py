@@ -13,7 +13,9 @@ from benchmarks import fused
 from benchmarks.common import log
 
 
-def run_cprofile(workdir: Path, images: int, shards: int, method: int, *, seed=0, profile="photo", style="textured", top=30) -> str:
+def run_cprofile(
+    workdir: Path, images: int, shards: int, method: int, *, seed=0, profile="photo", style="textured", top=30
+) -> str:
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
     profiler = cProfile.Profile(time.process_time)  # CPU time: robust to other load (threads=1)
     profiler.enable()

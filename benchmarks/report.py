@@ -72,7 +72,9 @@ def _quiet_ratio(a: dict, b: dict) -> tuple[float | None, int]:
     """Wall-time ratio a/b over the shards where both measurements ran on a quiet machine."""
     quiet = [
         i
-        for i, (fa, fb) in enumerate(zip(a["per_shard_foreign_load_cores"], b["per_shard_foreign_load_cores"], strict=True))
+        for i, (fa, fb) in enumerate(
+            zip(a["per_shard_foreign_load_cores"], b["per_shard_foreign_load_cores"], strict=True)
+        )
         if fa < QUIET_LOAD_CORES and fb < QUIET_LOAD_CORES
     ]
     if not quiet:
@@ -103,7 +105,9 @@ def ratios(results: dict, default_method: int, threads: int) -> dict:
     single = results[f"fused_m{default_method}"]
     if default_method != 4:
         out[f"fused_m{default_method}_over_naive_m4"] = _pair(single, naive)
-        out[f"fused_m{default_method}_over_floor_m{default_method}"] = _pair(single, results[f"floor_m{default_method}"])
+        out[f"fused_m{default_method}_over_floor_m{default_method}"] = _pair(
+            single, results[f"floor_m{default_method}"]
+        )
     if threads > 1:
         multi = results[f"fused_m{default_method}_t{threads}"]
         quiet, quiet_shards = _quiet_ratio(single, multi)
@@ -196,7 +200,9 @@ def print_compare(report: dict) -> None:
         f"{c['long_side_min']}-{c['long_side_max']} px, mean {c['megapixels_mean']:.1f} MP, {100 * c['pixel_share_8_30mp']:.0f}% "
         f"of pixels in 8-30 MP images, {c['source_bytes'] / 1e6:.0f} MB; {c['shards']} shards, pipelines interleaved per shard"
     )
-    print(f"settings: WebP q{report['settings']['quality']}, project default method {report['settings']['default_webp_method']}\n")
+    print(
+        f"settings: WebP q{report['settings']['quality']}, project default method {report['settings']['default_webp_method']}\n"
+    )
     print(
         "| pipeline | PIL (libwebp) | threads | img/s/core | ms/img (wall) | CPU ms/img | 512 B/img | 1024 B/img "
         "| peak RSS MB | other load (cores) |"
@@ -231,4 +237,6 @@ def print_compare(report: dict) -> None:
             )
     print("\ntargets:")
     for name, t in report["targets"].items():
-        print("  " + name + ": " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items()))
+        print(
+            "  " + name + ": " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in t.items())
+        )

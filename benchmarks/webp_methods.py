@@ -45,7 +45,15 @@ def _row(x: dict, n: int) -> dict:
 
 
 def run_webp_methods(
-    workdir: Path, images: int, shards: int, methods: tuple[int, ...], *, seed=0, profile="photo", style="textured", limit=None
+    workdir: Path,
+    images: int,
+    shards: int,
+    methods: tuple[int, ...],
+    *,
+    seed=0,
+    profile="photo",
+    style="textured",
+    limit=None,
 ) -> dict:
     corpus = corpus_mod.ensure_corpus(workdir, images, shards, seed=seed, profile=profile, style=style, log=log)
     per = {m: {"cpu": [0.0, 0.0], "wall": [0.0, 0.0], "bytes": [0, 0], "psnr": [[], []]} for m in methods}
@@ -94,7 +102,9 @@ def choose_method(rows: dict) -> dict:
         reasons = []
         gain = 1 - x["encode_cpu_ms_per_image"] / ref["encode_cpu_ms_per_image"]
         if gain < MIN_TIME_GAIN:
-            reasons.append("not faster" if gain <= 0 else f"only {100 * gain:.1f}% faster (< {100 * MIN_TIME_GAIN:.0f}%)")
+            reasons.append(
+                "not faster" if gain <= 0 else f"only {100 * gain:.1f}% faster (< {100 * MIN_TIME_GAIN:.0f}%)"
+            )
         for size in ("512", "1024"):
             drop = ref[f"psnr_{size}"] - x[f"psnr_{size}"]
             if drop > PSNR_TOLERANCE_DB:
@@ -121,6 +131,7 @@ def print_webp_methods(report: dict) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, x in rows.items():
+
         def rel(key: str, x: dict = x) -> str:
             return f"{x[key] / ref[key]:.2f}x" if ref else ""
 

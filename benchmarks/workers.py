@@ -139,7 +139,9 @@ class WorkerProcess:
         else:
             spec = {"pipeline": dataclasses.asdict(pipeline), "main": str(main), "out": str(out)}
             command, env = [sys.executable, "-m", "benchmarks.workers", json.dumps(spec)], _worker_env()
-        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env
+        )
         self.ready = self._reply()
         if pipeline.kind == "naive" and naive.kind == "venv":
             naive.check(self.ready["pil"])  # the worker really runs on the venv's Pillow 13, not pillow-simd

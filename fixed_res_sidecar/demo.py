@@ -97,7 +97,9 @@ def prepare_workdir(workdir: Path, shards: int, rows_per_shard: int, say: Callab
     main = load_config(config_file).datasets[0].main
     created = False
     if not main.list_shards():
-        names = list(DEFAULT_SHARDS[:shards]) + [f"extra/part-{i:05d}.parquet" for i in range(len(DEFAULT_SHARDS), shards)]
+        names = list(DEFAULT_SHARDS[:shards]) + [
+            f"extra/part-{i:05d}.parquet" for i in range(len(DEFAULT_SHARDS), shards)
+        ]
         say(f"writing a sample dataset: {len(names)} shards x {rows_per_shard} rows under {main.uri}")
         write_sample_dataset(main, shards=names, rows_per_shard=rows_per_shard)
         created = True
@@ -308,7 +310,9 @@ def format_summary(summary: DemoSummary) -> str:
     for text in summary.failed_checks[:20]:
         lines.append(f"    FAILED {text}")
     overlay_dir = dataset.layout.report_location("overlays").uri
-    lines.append(f"  overlay pictures ({len(summary.overlays)} PNGs: original | 512 | 1024 with their boxes): {overlay_dir}")
+    lines.append(
+        f"  overlay pictures ({len(summary.overlays)} PNGs: original | 512 | 1024 with their boxes): {overlay_dir}"
+    )
     for path in summary.overlays[:3]:
         lines.append(f"    {path}")
     lines.append(f"  verifier reports: {dataset.output('reports').uri}")
@@ -320,7 +324,9 @@ def format_summary(summary: DemoSummary) -> str:
     return "\n".join(lines)
 
 
-def main(workdir: str | os.PathLike = DEFAULT_WORKDIR, shards: int = len(DEFAULT_SHARDS), rows_per_shard: int = 12) -> int:
+def main(
+    workdir: str | os.PathLike = DEFAULT_WORKDIR, shards: int = len(DEFAULT_SHARDS), rows_per_shard: int = 12
+) -> int:
     summary = run_demo(workdir, shards, rows_per_shard, say=lambda text: print(text, file=sys.stderr, flush=True))
     print(format_summary(summary))
     return 0 if summary.ok else 1

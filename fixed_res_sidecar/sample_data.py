@@ -50,7 +50,12 @@ def make_photo(
         x0, y0 = rng.randint(0, width - w), rng.randint(0, height - h)
         shape = rng.choice(["ellipse", "rectangle"])
         getattr(draw, shape)((x0, y0, x0 + w - 1, y0 + h - 1), fill=colour, outline=(20, 20, 20), width=max(1, w // 60))
-        box = (round(y0 / height * 1000), round(x0 / width * 1000), round((y0 + h) / height * 1000), round((x0 + w) / width * 1000))
+        box = (
+            round(y0 / height * 1000),
+            round(x0 / width * 1000),
+            round((y0 + h) / height * 1000),
+            round((x0 + w) / width * 1000),
+        )
         objects.append(SampleObject(f"{name} {shape}", box))
     exif = Image.Exif()
     if orientation in RAW_FROM_DISPLAYED:

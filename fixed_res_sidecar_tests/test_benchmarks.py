@@ -24,7 +24,7 @@ def test_corpus_is_deterministic_and_photo_like():
     specs = corpus.corpus_specs(120)
     assert specs == corpus.corpus_specs(120)
     long_sides = [max(s.width, s.height) for s in specs]
-    assert 300 <= min(long_sides) and max(long_sides) <= 6000
+    assert min(long_sides) >= 300 and max(long_sides) <= 6000
     megapixels = [s.megapixels for s in specs]
     assert sum(m for m in megapixels if 8 <= m <= 30) / sum(megapixels) > 0.7
     assert {s.format for s in specs} == {"JPEG", "PNG"}
@@ -56,7 +56,9 @@ def test_naive_worker_imports_only_pil_pyarrow_and_stdlib():
         for line in source.splitlines()
         if line.startswith(("import ", "from ")) and not line.startswith("from __future__")
     }
-    assert imported <= {"importlib", "io", "json", "os", "resource", "sys", "time", "pathlib", "pyarrow", "PIL"}, imported
+    assert imported <= {"importlib", "io", "json", "os", "resource", "sys", "time", "pathlib", "pyarrow", "PIL"}, (
+        imported
+    )
 
 
 def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
@@ -64,10 +66,32 @@ def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
     naive_args, naive_in_venv = _naive_args()
     report = cli.main(
         [
-            "--profile", "tiny", "--images", "2", "--shards", "2", "--workdir", str(tmp_path / "work"),
-            "--threads", "2", "--json", str(out), *naive_args,
-            "--compare", "--webp-methods", "--methods", "0,4", "--webp-images", "2",
-            "--memory", "--memory-gb", "0.0004", "--memory-threads", "2", "--memory-row-group-rows", "2",
+            "--profile",
+            "tiny",
+            "--images",
+            "2",
+            "--shards",
+            "2",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--threads",
+            "2",
+            "--json",
+            str(out),
+            *naive_args,
+            "--compare",
+            "--webp-methods",
+            "--methods",
+            "0,4",
+            "--webp-images",
+            "2",
+            "--memory",
+            "--memory-gb",
+            "0.0004",
+            "--memory-threads",
+            "2",
+            "--memory-row-group-rows",
+            "2",
         ]
     )
     printed = capsys.readouterr().out
@@ -80,12 +104,19 @@ def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
     for pipeline in pipelines.values():
         assert pipeline["images"] == 2 and pipeline["valid"] == 2
         for field in (
-            "images_per_s_per_core", "ms_per_image", "cpu_ms_per_image", "bytes_per_image_512", "bytes_per_image_1024", "peak_rss_mb",
+            "images_per_s_per_core",
+            "ms_per_image",
+            "cpu_ms_per_image",
+            "bytes_per_image_512",
+            "bytes_per_image_1024",
+            "peak_rss_mb",
         ):
             assert pipeline[field] > 0, field
     assert {"fused_m4_over_naive_m4", "fused_m4_over_floor_m4", "threads_speedup"} <= compare["ratios"].keys()
     assert all(math.isfinite(r["wall"]) and r["wall"] > 0 for r in compare["ratios"].values())
-    assert {"fused_m4_at_least_1.6x_naive", "fused_m4_within_1.15x_floor", "threads_speedup_at_least_1.8x"} <= compare["targets"].keys()
+    assert {"fused_m4_at_least_1.6x_naive", "fused_m4_within_1.15x_floor", "threads_speedup_at_least_1.8x"} <= compare[
+        "targets"
+    ].keys()
     assert compare["machine"]["pil"].startswith(("pillow-simd", "Pillow"))
     # Which PIL ran each pipeline: the naive one on Pillow 13 (venv) or on the installed PIL.
     naive_pil, project_pil = compare["libraries"]["naive"], compare["libraries"]["project"]
@@ -120,7 +151,15 @@ def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
     assert memory["peak_rss_mb"] > memory["baseline_rss_mb"] * 0.5 > 0
     assert isinstance(memory["met"], bool)
 
-    for heading in ("## Comparison", "## WebP methods", "## Memory", "| naive_m4 |", "img/s/core", "naive baseline: ", "time split"):
+    for heading in (
+        "## Comparison",
+        "## WebP methods",
+        "## Memory",
+        "| naive_m4 |",
+        "img/s/core",
+        "naive baseline: ",
+        "time split",
+    ):
         assert heading in printed
 
 
@@ -135,5 +174,7 @@ def test_both_invocations_reach_the_options(command, tmp_path):
     """`python -m benchmarks` from the repository root, and the run.py alias from anywhere, without PYTHONPATH."""
     cwd = REPO if command[0] == "-m" else tmp_path
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, *command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, *command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, check=True
+    )
     assert "--webp-methods" in done.stdout and "--naive-venv-no-create" in done.stdout

@@ -124,7 +124,9 @@ def test_run_limits_retries_and_monitoring_take_effect():
     limits = queue.tag_concurrency_limits
     per_dataset = next(limit for limit in limits if limit["key"] == DATASET_TAG)
     assert per_dataset["value"] == {"applyLimitPerUniqueValue": True}
-    running = [dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="a")) for _ in range(per_dataset["limit"])]
+    running = [
+        dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="a")) for _ in range(per_dataset["limit"])
+    ]
     counter = TagConcurrencyLimitsCounter(limits, running)
     assert counter.is_blocked(dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="a")))
     assert not counter.is_blocked(dg.DagsterRun(job_name="shard", tags=launcher_tags(1, 4, dataset="b")))

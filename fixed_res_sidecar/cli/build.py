@@ -26,7 +26,9 @@ def add_parser(subparsers) -> None:
             command, help=f"build the {area:,} px-area resized dataset", description=f"Resize to {area:,} px area."
         )
         parser.add_argument("--output-prefix", required=True, help="where the resized dataset goes")
-        parser.add_argument("--audit-prefix", default=RESOLUTIONS[resolution].audit_prefix, help="prefix of the audit columns")
+        parser.add_argument(
+            "--audit-prefix", default=RESOLUTIONS[resolution].audit_prefix, help="prefix of the audit columns"
+        )
         parser.set_defaults(func=run, resolutions=[resolution])
         _add_common(parser)
     fused = subparsers.add_parser(

@@ -20,9 +20,17 @@ def add_parser(subparsers) -> None:
             "skips finished work."
         ),
     )
-    parser.add_argument("--workdir", default="sidecar-demo", help="where the sample data, outputs and Dagster home go (default: ./sidecar-demo)")
-    parser.add_argument("--shards", type=int, default=len(DEFAULT_SHARDS), help="shards in a newly written sample dataset")
-    parser.add_argument("--rows-per-shard", type=int, default=12, help="rows per shard in a newly written sample dataset")
+    parser.add_argument(
+        "--workdir",
+        default="sidecar-demo",
+        help="where the sample data, outputs and Dagster home go (default: ./sidecar-demo)",
+    )
+    parser.add_argument(
+        "--shards", type=int, default=len(DEFAULT_SHARDS), help="shards in a newly written sample dataset"
+    )
+    parser.add_argument(
+        "--rows-per-shard", type=int, default=12, help="rows per shard in a newly written sample dataset"
+    )
     parser.set_defaults(func=run)
 
 

@@ -67,11 +67,17 @@ def add_parser(subparsers) -> None:
     crop.add_argument("--caption-column", default="structured_description")
     crop.add_argument("--caption-prefix", default=None, help="caption dataset, when captions are not in main")
     crop.add_argument(
-        "--caption-frame", choices=CAPTION_FRAMES, default=None,
+        "--caption-frame",
+        choices=CAPTION_FRAMES,
+        default=None,
         help="frame of the caption boxes (default: as recorded in the sidecar's build settings)",
     )
     crop.add_argument(
-        "--bbox-key", dest="bbox_keys", action="append", default=None, metavar="KEY",
+        "--bbox-key",
+        dest="bbox_keys",
+        action="append",
+        default=None,
+        metavar="KEY",
         help="a JSON key whose value is a box or a list of boxes; repeat for several "
         "(default: as recorded in the sidecar's build settings)",
     )
@@ -148,7 +154,7 @@ def _draw_overlays(
     def draw(rel: str) -> tuple[str, list[str] | str]:
         try:
             return rel, write_overlays(layout, rel, overlay_dir, sample)
-        except Exception as exc:  # a shard whose pictures cannot be drawn is reported, the others go on
+        except Exception as exc:  # noqa: BLE001 - a shard whose pictures cannot be drawn is reported, the others go on
             return rel, describe_exception(exc, max_chars=300)
 
     outcomes = _run_all(shards, draw, threads)

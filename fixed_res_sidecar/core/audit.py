@@ -62,7 +62,7 @@ AUDIT_TYPES: dict[str, pa.DataType] = {
     "out_bytes": pa.int32(),
 }
 AUDIT_FIELDS = tuple(f.name for f in fields(AuditRecord))
-assert AUDIT_FIELDS == tuple(AUDIT_TYPES), "AuditRecord and AUDIT_TYPES must list the same fields in order"
+assert tuple(AUDIT_TYPES) == AUDIT_FIELDS, "AuditRecord and AUDIT_TYPES must list the same fields in order"
 
 
 def audit_column(audit_prefix: str, field: str) -> str:
@@ -94,7 +94,9 @@ def audit_values(table: pa.Table, audit_prefix: str) -> dict[str, list]:
 
     Raises AuditColumnsError naming the missing columns.
     """
-    missing = [audit_column(audit_prefix, f) for f in AUDIT_TYPES if audit_column(audit_prefix, f) not in table.column_names]
+    missing = [
+        audit_column(audit_prefix, f) for f in AUDIT_TYPES if audit_column(audit_prefix, f) not in table.column_names
+    ]
     if missing:
         raise AuditColumnsError(f"audit columns missing: {missing}")
     return {f: table.column(audit_column(audit_prefix, f)).to_pylist() for f in AUDIT_TYPES}

@@ -132,9 +132,7 @@ class CropFrame:
     @classmethod
     def from_audit(cls, record: AuditRecord) -> "CropFrame | None":
         """The frame recorded by the resize stage, or None when the audit lacks any part of it."""
-        parts = (
-            record.src_width, record.src_height, record.crop_x0, record.crop_y0, record.crop_x1, record.crop_y1
-        )
+        parts = (record.src_width, record.src_height, record.crop_x0, record.crop_y0, record.crop_x1, record.crop_y1)
         if any(p is None for p in parts):
             return None
         frame = cls(*parts)

@@ -73,9 +73,7 @@ def oriented_size(raw_size: tuple[int, int], orientation: int) -> tuple[int, int
     return (height, width) if orientation in SWAPS_AXES else (width, height)
 
 
-def raw_point_to_oriented(
-    x: float, y: float, orientation: int, raw_size: tuple[float, float]
-) -> tuple[float, float]:
+def raw_point_to_oriented(x: float, y: float, orientation: int, raw_size: tuple[float, float]) -> tuple[float, float]:
     """A point of the raw frame (`raw_size` = W, H) in the oriented frame."""
     w, h = raw_size
     if orientation == 2:  # mirrored left-right
@@ -95,9 +93,7 @@ def raw_point_to_oriented(
     return x, y  # 1, and anything unreadable, is upright
 
 
-def oriented_point_to_raw(
-    x: float, y: float, orientation: int, raw_size: tuple[float, float]
-) -> tuple[float, float]:
+def oriented_point_to_raw(x: float, y: float, orientation: int, raw_size: tuple[float, float]) -> tuple[float, float]:
     """A point of the oriented frame in the raw frame (`raw_size` = W, H); inverse of `raw_point_to_oriented`."""
     w, h = raw_size
     if orientation == 2:

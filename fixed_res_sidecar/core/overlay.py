@@ -205,7 +205,7 @@ def _decode(
 def _scaled(image: Image.Image, panel_height: int) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
-        flat = Image.new("RGBA", rgba.size, PLACEHOLDER + (255,))
+        flat = Image.new("RGBA", rgba.size, (*PLACEHOLDER, 255))
         image = Image.alpha_composite(flat, rgba)
     image = image.convert("RGB")
     size = (panel_width(image.width, image.height, panel_height), panel_height)

@@ -142,7 +142,7 @@ class PixelOptions:
             object.__setattr__(self, "background", tuple(self.background))
 
     @classmethod
-    def from_values(cls, values: Mapping[str, object]) -> "PixelOptions":
+    def from_values(cls, values: Mapping[str, object]) -> PixelOptions:
         """The options named in `values` (command-line arguments, a dataset's settings); others default."""
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in names})

@@ -177,7 +177,9 @@ def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
     for uri in uris[:limit]:
         rel = uri.removeprefix(root)
         try:
-            thumbnail = base64.b64encode(thumbnail_png(location.read_bytes(rel), OVERLAY_THUMBNAIL_WIDTH)).decode("ascii")
+            thumbnail = base64.b64encode(thumbnail_png(location.read_bytes(rel), OVERLAY_THUMBNAIL_WIDTH)).decode(
+                "ascii"
+            )
             lines.append(f"**{rel}**\n\n![{rel}](data:image/png;base64,{thumbnail})\n")
         except Exception as exc:  # noqa: BLE001 - a picture that cannot be shown must not fail the asset
             lines.append(f"**{rel}**: cannot be shown ({describe_exception(exc, max_chars=300)})\n")
@@ -256,7 +258,9 @@ def _overlays(context, layout, rel: str, overlays: Location, dataset: DatasetCon
     return overlay_markdown(overlays, pictures, dataset.overlay_embed)
 
 
-def dataset_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> list[dg.AssetSpec | dg.AssetsDefinition]:
+def dataset_assets(
+    dataset: DatasetConfig, partitions: dg.PartitionsDefinition
+) -> list[dg.AssetSpec | dg.AssetsDefinition]:
     """Every asset of one dataset, all on `partitions`."""
     return [
         main_spec(dataset, partitions),

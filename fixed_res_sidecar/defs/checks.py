@@ -64,7 +64,9 @@ def partitioned_check_spec(
         return dg.AssetCheckSpec(name, asset=asset, description=description, blocking=True, partitions_def=partitions)
 
 
-def resized_check_specs(keys: DatasetKeys, resolution: str, partitions: dg.PartitionsDefinition) -> list[dg.AssetCheckSpec]:
+def resized_check_specs(
+    keys: DatasetKeys, resolution: str, partitions: dg.PartitionsDefinition
+) -> list[dg.AssetCheckSpec]:
     return [
         partitioned_check_spec(name, keys.verify(resolution), description, partitions)
         for name, description in RESIZED_CHECK_DESCRIPTIONS.items()
@@ -121,7 +123,9 @@ def report_counts(report: verify.ShardReport) -> dict[str, Any]:
     }
 
 
-def check_results(report: verify.ShardReport, asset_key: dg.AssetKey, expected: Sequence[str]) -> list[dg.AssetCheckResult]:
+def check_results(
+    report: verify.ShardReport, asset_key: dg.AssetKey, expected: Sequence[str]
+) -> list[dg.AssetCheckResult]:
     """One result per expected check name; a check the report lacks fails (never silently passes)."""
     by_name = {c.name: c for c in report.checks}
     counts = report_counts(report)

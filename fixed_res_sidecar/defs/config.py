@@ -88,7 +88,7 @@ def _resolve_location(value: Any, info: ValidationInfo) -> str:
     """A location as given: s3:// URIs as they are, local paths made absolute (config-relative)."""
     if not isinstance(value, (str, os.PathLike)):
         # ValueError, not TypeError: pydantic turns only ValueError into a field error.
-        raise ValueError(f"must be a local path or an s3:// URI, got {value!r}")  # noqa: TRY004
+        raise ValueError(f"must be a local path or an s3:// URI, got {value!r}")
     text = os.fspath(value).strip()
     if not text:
         raise ValueError("must not be empty")
@@ -218,9 +218,7 @@ class DatasetConfig(_Strict):
         given = self.outputs.model_dump()
         missing = [name for name in OUTPUT_NAMES if given[name] is None]
         if missing and self.output_root is None:
-            raise ValueError(
-                f"outputs {missing} have no location: give them under 'outputs', or give 'output_root'"
-            )
+            raise ValueError(f"outputs {missing} have no location: give them under 'outputs', or give 'output_root'")
         if missing:
             root = Location.parse(self.output_root)
             for name in missing:
@@ -250,7 +248,10 @@ class DatasetConfig(_Strict):
     def layout(self) -> DatasetLayout:
         return DatasetLayout(
             Location.parse(self.main_prefix),
-            {name: resized_output(name, getattr(self.outputs, f"resized_{name}"), self.audit_prefix(name)) for name in RESOLUTIONS},
+            {
+                name: resized_output(name, getattr(self.outputs, f"resized_{name}"), self.audit_prefix(name))
+                for name in RESOLUTIONS
+            },
             sidecar=Location.parse(self.outputs.crop_bbox),
             captions=Location.parse(self.caption_prefix) if self.caption_prefix else None,
             reports=Location.parse(self.outputs.reports),
@@ -390,9 +391,14 @@ def _cross_checks(config: SidecarConfig) -> list[str]:
     for index, dataset in enumerate(config.datasets):
         others = []
         for other in config.datasets[:index] + config.datasets[index + 1 :]:
-            others += [(f"{what} of dataset {other.name!r}", location) for what, location in other.layout.described_read_only()]
+            others += [
+                (f"{what} of dataset {other.name!r}", location) for what, location in other.layout.described_read_only()
+            ]
         for other in config.datasets[:index]:  # each pair of outputs once
-            others += [(f"outputs.{name} of dataset {other.name!r}", location) for name, location in other.layout.outputs().items()]
+            others += [
+                (f"outputs.{name} of dataset {other.name!r}", location)
+                for name, location in other.layout.outputs().items()
+            ]
         for name, output in dataset.layout.outputs().items():
             try:
                 check_writable(output, others, what="the output")

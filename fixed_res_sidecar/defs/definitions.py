@@ -70,9 +70,7 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
 def build_definitions(config: SidecarConfig) -> dg.Definitions:
     """All datasets of a config, merged, with the shared resources and the in-process executor."""
     merged = dg.Definitions.merge(*(dataset_definitions(d) for d in config.datasets))
-    return dg.Definitions.merge(
-        merged, dg.Definitions(resources=default_resources(), executor=dg.in_process_executor)
-    )
+    return dg.Definitions.merge(merged, dg.Definitions(resources=default_resources(), executor=dg.in_process_executor))
 
 
 defs = build_definitions(load_config())

@@ -31,9 +31,7 @@ def check_statuses(
 ) -> dict[tuple[str, str], str]:
     """(check key text, shard) -> latest execution status (SUCCEEDED, FAILED, PLANNED, ...)."""
     infos = instance.event_log_storage.get_asset_check_partition_info(list(check_keys), partition_keys=list(rels))
-    return {
-        (info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value for info in infos
-    }
+    return {(info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value for info in infos}
 
 
 def unverified_resized_problems(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str) -> list[str]:

@@ -34,7 +34,9 @@ def partition_key_problem(rel: str) -> str | None:
     if not rel:
         return "an empty shard path cannot be a partition key"
     if len(rel) > MAX_KEY_LENGTH:
-        return f"shard path {rel[:60]!r}... is {len(rel)} characters long; partition keys are limited to {MAX_KEY_LENGTH}"
+        return (
+            f"shard path {rel[:60]!r}... is {len(rel)} characters long; partition keys are limited to {MAX_KEY_LENGTH}"
+        )
     found = [reason for text, reason in _FORBIDDEN.items() if text in rel]
     controls = sorted({repr(c) for c in rel if ord(c) < 32 or ord(c) == 127})
     if controls:
@@ -52,6 +54,8 @@ def chunks(items: Sequence[str], size: int = ADD_CHUNK) -> Iterator[list[str]]:
         yield list(items[start : start + size])
 
 
-def add_requests(partitions: dg.DynamicPartitionsDefinition, new_keys: Iterable[str]) -> list[dg.AddDynamicPartitionsRequest]:
+def add_requests(
+    partitions: dg.DynamicPartitionsDefinition, new_keys: Iterable[str]
+) -> list[dg.AddDynamicPartitionsRequest]:
     """Requests that add `new_keys`, at most ADD_CHUNK keys each."""
     return [partitions.build_add_request(chunk) for chunk in chunks(list(new_keys))]

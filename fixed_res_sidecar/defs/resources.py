@@ -13,7 +13,6 @@ import os
 
 import dagster as dg
 
-
 RESOURCE_KEY = "sidecar"
 
 

@@ -125,7 +125,9 @@ def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[s
         return dict(pool.map(observe, rels))
 
 
-def main_observations(keys: DatasetKeys, main: Location, rels: list[str], threads: int = 16) -> list[dg.AssetObservation]:
+def main_observations(
+    keys: DatasetKeys, main: Location, rels: list[str], threads: int = 16
+) -> list[dg.AssetObservation]:
     """The observations of new shards on `<dataset>/main`, one per partition."""
     return [
         dg.AssetObservation(asset_key=keys.main, partition=rel, metadata=metadata)
@@ -156,7 +158,7 @@ def discovery_tick(
         dataset.main, known, ShardCursor.parse(cursor), max_new=dataset.sensor.max_new_shards_per_tick
     )
     if found.refused and log is not None:
-        for rel, problem in list(found.refused.items())[:REFUSED_LOGGED]:
+        for problem in list(found.refused.values())[:REFUSED_LOGGED]:
             log.error(problem)
         if len(found.refused) > REFUSED_LOGGED:
             log.error(f"... and {len(found.refused) - REFUSED_LOGGED} more shards refused as partition keys")
@@ -179,7 +181,9 @@ def discovery_tick(
 
 def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
     keys = DatasetKeys(dataset.name)
-    status = dg.DefaultSensorStatus.RUNNING if dataset.sensor.default_status == "running" else dg.DefaultSensorStatus.STOPPED
+    status = (
+        dg.DefaultSensorStatus.RUNNING if dataset.sensor.default_status == "running" else dg.DefaultSensorStatus.STOPPED
+    )
 
     @dg.sensor(
         name=keys.discovery_sensor,

@@ -12,7 +12,7 @@ have the column.
 """
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -290,7 +290,5 @@ def _check_keys(expected: pa.Array, actual: pa.Array, row_offset: int, main_uri:
         return
     for i, (want, got) in enumerate(zip(expected.to_pylist(), actual.to_pylist())):
         if want != got:
-            raise ShardError(
-                f"{what}: key at row {row_offset + i} is {got!r}, the main shard {main_uri} has {want!r}"
-            )
+            raise ShardError(f"{what}: key at row {row_offset + i} is {got!r}, the main shard {main_uri} has {want!r}")
     raise ShardError(f"{what}: keys differ from the main shard {main_uri} near row {row_offset}")

@@ -23,7 +23,7 @@ class ResizedOutput:
 
     @property
     def resolution(self) -> str:
-        """"512" / "1024" for the two fixed areas, else the area as text."""
+        """ "512" / "1024" for the two fixed areas, else the area as text."""
         return next((r.name for r in RESOLUTIONS.values() if r.area == self.area), str(self.area))
 
 

@@ -72,9 +72,7 @@ class ShardResult:
         return dataclasses.asdict(self)
 
 
-def build_settings(
-    output: ResizedOutput, options: PixelOptions, key_column: str, image_column: str
-) -> dict[str, Any]:
+def build_settings(output: ResizedOutput, options: PixelOptions, key_column: str, image_column: str) -> dict[str, Any]:
     """Everything that decides an output shard's bytes (compared by skip-existing)."""
     return {
         "target_area": output.area,
@@ -108,7 +106,9 @@ def build_resized_shard(
     rows = source.metadata.num_rows
     settings = {o: build_settings(o, options, layout.key_column, layout.image_column) for o in outputs}
     todo = [o for o in outputs if not (skip_existing and is_up_to_date(o.location, rel, rows, settings[o]))]
-    summaries = {o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped") for o in outputs}
+    summaries = {
+        o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped") for o in outputs
+    }
     if todo:
         _build(source, layout, rel, todo, settings, summaries, options, threads, on_rows)
     return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
@@ -202,7 +202,7 @@ def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tupl
 def _process_row(data: bytes | None, areas: list[int], options: PixelOptions) -> list[ImageResult]:
     try:
         return process_image(data, areas, options)
-    except Exception as exc:  # process_image should not raise; if it does, the row is still audited
+    except Exception as exc:  # noqa: BLE001 - process_image should not raise; if it does, the row is still audited
         detail = describe_exception(exc)
         return [ImageResult(AuditRecord(error=ErrorCode.DECODE_ERROR.value, error_detail=detail), None) for _ in areas]
 
@@ -239,4 +239,3 @@ def _image_array(side_fields: list[Any], encoded: list[bytes | None], dtype: pa.
         else:
             values.append({**side, BYTES_FIELD: data})
     return pa.array(values, type=dtype)
-

@@ -142,7 +142,7 @@ def _run_pool(pool, job, batch, workers, summary, progress) -> tuple[list[str], 
                 result = future.result()
             except BrokenProcessPool:
                 lost.append(rel)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a shard that raises fails alone
                 summary.failures[rel] = describe_exception(exc)
                 progress.shard_finished(rel, error=summary.failures[rel])
             else:

@@ -62,18 +62,24 @@ class SidecarReading:
     def of(cls, parquet_file: pq.ParquetFile) -> "SidecarReading":
         try:
             settings = read_settings(parquet_file)
-        except Exception:  # a foreign or damaged footer: the defaults
+        except Exception:  # noqa: BLE001 - a foreign or damaged footer: the defaults
             settings = None
         if not isinstance(settings, dict):
             return cls()
         keys = settings.get("bbox_keys")
         frame = settings.get("caption_frame")
         resized = settings.get("resized_settings")
-        limits = [s.get("max_source_pixels") for s in (resized.values() if isinstance(resized, dict) else ()) if isinstance(s, dict)]
+        limits = [
+            s.get("max_source_pixels")
+            for s in (resized.values() if isinstance(resized, dict) else ())
+            if isinstance(s, dict)
+        ]
         limits = [v for v in limits if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         default = cls()
         return cls(
-            tuple(keys) if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys) else default.bbox_keys,
+            tuple(keys)
+            if isinstance(keys, list) and keys and all(isinstance(k, str) for k in keys)
+            else default.bbox_keys,
             frame if frame in CAPTION_FRAMES else default.caption_frame,
             min(limits) if limits else default.max_source_pixels,
         )

@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli.build import format_summary
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, tree_snapshot
 
 SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
@@ -91,7 +91,9 @@ def test_symlinks_in_main_are_not_followed_and_are_reported(sample_main, tmp_pat
     assert result.returncode == 0, result.stderr
     assert "3 total, 3 built" in result.stdout
     assert "skipped 2 symbolic link(s) in the main dataset" in result.stdout
-    assert f"linked -> {elsewhere}" in result.stdout and f"linked-x.parquet -> {elsewhere / 'x.parquet'}" in result.stdout
+    assert (
+        f"linked -> {elsewhere}" in result.stdout and f"linked-x.parquet -> {elsewhere / 'x.parquet'}" in result.stdout
+    )
     assert Location.parse(tmp_path / "out").list_shards() == sorted(SHARDS)
 
 

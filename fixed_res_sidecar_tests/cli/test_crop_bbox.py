@@ -124,7 +124,9 @@ def replace_image(location, rel: str, row_of, value) -> int:
     images = table.column("image").to_pylist()
     images[row] = value
     index = table.schema.get_field_index("image")
-    pq.write_table(table.set_column(index, table.schema.field(index), pa.array(images, table.schema.field(index).type)), path)
+    pq.write_table(
+        table.set_column(index, table.schema.field(index), pa.array(images, table.schema.field(index).type)), path
+    )
     return row
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from fixed_res_sidecar.cli import verify as verify_cli
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS
+from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
 
@@ -38,13 +38,35 @@ def paths(sidecar_build) -> dict[str, Path]:
 
 def resized_args(paths, resolution="512", *extra):
     prefix = {"512": "0_26mp_process", "1024": "1_05mp_process"}[resolution]
-    return ("verify-resized", "--main-prefix", paths["main"], "--output-prefix", paths[resolution],
-            "--key-column", "image_key", "--audit-prefix", prefix, *extra)
+    return (
+        "verify-resized",
+        "--main-prefix",
+        paths["main"],
+        "--output-prefix",
+        paths[resolution],
+        "--key-column",
+        "image_key",
+        "--audit-prefix",
+        prefix,
+        *extra,
+    )
 
 
 def crop_args(paths, *extra):
-    return ("verify-crop-bbox", "--main-prefix", paths["main"], "--resized-512-prefix", paths["512"],
-            "--resized-1024-prefix", paths["1024"], "--sidecar-prefix", paths["sidecar"], "--key-column", "image_key", *extra)
+    return (
+        "verify-crop-bbox",
+        "--main-prefix",
+        paths["main"],
+        "--resized-512-prefix",
+        paths["512"],
+        "--resized-1024-prefix",
+        paths["1024"],
+        "--sidecar-prefix",
+        paths["sidecar"],
+        "--key-column",
+        "image_key",
+        *extra,
+    )
 
 
 def test_verify_resized_passes_and_writes_the_full_report(paths, tmp_path, capsys):
@@ -171,11 +193,18 @@ def test_verify_crop_bbox_box_keys_default_to_the_sidecars_settings(paths, capsy
     # Rebuild one shard's sidecar with the boxes under a custom key, then break one of them.
     main = Location.parse(paths["main"])
     source = pq.read_table(paths["main"] / REL)
-    captions = [None if t is None else t.replace('"bbox"', '"region"') for t in source.column("structured_description").to_pylist()]
+    captions = [
+        None if t is None else t.replace('"bbox"', '"region"')
+        for t in source.column("structured_description").to_pylist()
+    ]
     index = source.schema.get_field_index("structured_description")
-    pq.write_table(source.set_column(index, source.schema.field(index), pa.array(captions, pa.string())), paths["main"] / REL)
+    pq.write_table(
+        source.set_column(index, source.schema.field(index), pa.array(captions, pa.string())), paths["main"] / REL
+    )
     sidecar = Location.parse(paths["sidecar"])
-    layout = sidecar_layout(main, Location.parse(paths["512"]), Location.parse(paths["1024"]), sidecar, bbox_keys=["region"])
+    layout = sidecar_layout(
+        main, Location.parse(paths["512"]), Location.parse(paths["1024"]), sidecar, bbox_keys=["region"]
+    )
     build_crop_bbox_shard(layout, REL)
     assert run(*crop_args(paths, "--shard", REL)) == 0
     capsys.readouterr()

@@ -16,12 +16,12 @@ from fixed_res_sidecar.core.bbox import (
     CaptionStatus,
     CropFrame,
     box_slots,
+    caption_box_to_oriented,
     crop_captions_for_row,
     is_box_list,
     is_valid_crop_box,
     map_box_slots,
     parse_caption,
-    caption_box_to_oriented,
     transform_box,
     transform_caption,
 )
@@ -159,7 +159,14 @@ def test_box_slots_in_walk_order_with_paths():
         (4, "groups.pets.bbox_2d[2]", "junk", "bbox_2d", 2),
         (5, "odd[0][0].bbox", {"y": 1}, "bbox", None),
     ]
-    assert [s.holder_path for s in slots] == ["objects[0]", "objects[1]", "groups.pets", "groups.pets", "groups.pets", "odd[0][0]"]
+    assert [s.holder_path for s in slots] == [
+        "objects[0]",
+        "objects[1]",
+        "groups.pets",
+        "groups.pets",
+        "groups.pets",
+        "odd[0][0]",
+    ]
     assert slots[0].holder is WALKED["objects"][0]
     assert [s.path for s in box_slots([{"bbox": [1, 2, 3, 4]}])] == ["[0].bbox"]
 
@@ -177,7 +184,10 @@ def test_map_box_slots_replaces_only_slots_and_copies_the_rest():
 
 def test_transform_keeps_the_slots_of_the_walk():
     # Slot i of a crop caption is slot i of its original, whatever happened to the box.
-    caption = {"objects": [{"bbox": [0, 0, 100, 100]}, {"bbox": None}], "all": {"box_2d": [[0, 0, 1, 1], [900, 0, 1000, 100]]}}
+    caption = {
+        "objects": [{"bbox": [0, 0, 100, 100]}, {"bbox": None}],
+        "all": {"box_2d": [[0, 0, 1, 1], [900, 0, 1000, 100]]},
+    }
     new, _ = transform_caption(caption, FRAME)
     original = [s.path for s in box_slots(caption)]
     assert [s.path for s in box_slots(new, crop_frame=True)] == original
@@ -290,7 +300,9 @@ def test_row_with_both_resolutions_valid():
     full = audit(crop=(0.0, 0.0, 1000.0, 500.0), size=(1440, 736))
     row = crop_captions_for_row(CAPTION, {"512": audit(), "1024": full})
     assert row.crops["512"] == '{"label": "cat", "bbox": [100, 100, 400, 700], "more": [{"box_2d": null}]}'
-    assert row.crops["1024"] == '{"label": "cat", "bbox": [100, 300, 400, 600], "more": [{"box_2d": [0, 0, 1000, 200]}]}'
+    assert (
+        row.crops["1024"] == '{"label": "cat", "bbox": [100, 300, 400, 600], "more": [{"box_2d": [0, 0, 1000, 200]}]}'
+    )
     meta = json.loads(row.meta_json())
     assert list(meta) == ["caption_status", "exif_orientation", "512", "1024"]
     assert meta["caption_status"] == "ok"

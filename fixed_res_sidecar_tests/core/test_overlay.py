@@ -8,7 +8,6 @@ import time
 import pytest
 from PIL import EpsImagePlugin, Image
 
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
 from fixed_res_sidecar.core.overlay import (
     BOX_COLOURS,
     BOX_STROKE,
@@ -20,6 +19,7 @@ from fixed_res_sidecar.core.overlay import (
     overlay_picture,
     overlay_width,
 )
+from fixed_res_sidecar.core.pixels import PixelOptions, process_image
 from fixed_res_sidecar_tests.fixtures.images import png_header_only
 
 GREY = (128, 128, 128)
@@ -59,9 +59,12 @@ def left_edge_pixel(box, panel_left: int, panel_size) -> tuple[int, int]:
 def test_three_panels_same_height_and_box_drawn_in_its_colour_in_each():
     box = (250, 250, 750, 500)  # ymin, xmin, ymax, xmax on the 0..1000 grid
     png = overlay_picture(
-        encoded((768, 384)), caption(box),
-        encoded((512, 256)), caption(box),
-        encoded((1024, 512)), caption(box),
+        encoded((768, 384)),
+        caption(box),
+        encoded((512, 256)),
+        caption(box),
+        encoded((1024, 512)),
+        caption(box),
     )
     picture = decode(png)
     panel = (768, 384)  # all three are 2:1 and scaled to the panel height
@@ -70,7 +73,7 @@ def test_three_panels_same_height_and_box_drawn_in_its_colour_in_each():
     for panel_left in (0, 768 + PANEL_GAP, 2 * (768 + PANEL_GAP)):
         assert picture.getpixel(left_edge_pixel(box, panel_left, panel)) == BOX_COLOURS[0]
         # Inside the box, away from the stroke and label, the image shows through.
-        x0, y0, x1, y1 = box_pixels(box, panel)
+        x0, _y0, x1, y1 = box_pixels(box, panel)
         assert picture.getpixel((panel_left + (x0 + x1) // 2, TITLE_HEIGHT + y1 - 10)) == GREY
     # Between panels: the background strip.
     assert picture.getpixel((768 + PANEL_GAP // 2, TITLE_HEIGHT + 10)) != GREY
@@ -79,7 +82,11 @@ def test_three_panels_same_height_and_box_drawn_in_its_colour_in_each():
 def test_same_box_index_same_colour_across_panels_even_when_a_crop_box_is_gone():
     first, second = (100, 100, 300, 300), (500, 500, 900, 900)
     crop = json.dumps({"objects": [{"label": "thing 0", "bbox": None}, {"label": "thing 1", "bbox": list(second)}]})
-    picture = decode(overlay_picture(encoded((400, 400)), caption(first, second), encoded((400, 400)), crop, encoded((400, 400)), crop))
+    picture = decode(
+        overlay_picture(
+            encoded((400, 400)), caption(first, second), encoded((400, 400)), crop, encoded((400, 400)), crop
+        )
+    )
     panel = (PANEL_HEIGHT, PANEL_HEIGHT)
     step = PANEL_HEIGHT + PANEL_GAP
     assert picture.getpixel(left_edge_pixel(first, 0, panel)) == BOX_COLOURS[0]
@@ -103,7 +110,7 @@ def test_original_is_shown_upright_with_its_boxes_on_the_object():
     panel = (768, 384)  # 800x400 upright at the panel height; stored 400x800 would be 192 wide
     assert picture.width == overlay_width([768, PANEL_HEIGHT, PANEL_HEIGHT])
     assert picture.getpixel(left_edge_pixel(box, 0, panel)) == BOX_COLOURS[0]
-    x0, y0, x1, y1 = box_pixels(box, panel)
+    x0, _y0, x1, y1 = box_pixels(box, panel)
     r, g, b = picture.getpixel(((x0 + x1) // 2, TITLE_HEIGHT + y1 - 12))
     assert r > 180 and g < 80 and b < 80  # the patch is inside the box
 
@@ -128,7 +135,11 @@ def test_missing_and_broken_images_become_placeholder_panels():
 
 @pytest.mark.parametrize("panel_height", [128, 256])
 def test_panel_height_is_configurable(panel_height):
-    picture = decode(overlay_picture(encoded((300, 150)), None, encoded((200, 100)), None, encoded((400, 200)), None, panel_height=panel_height))
+    picture = decode(
+        overlay_picture(
+            encoded((300, 150)), None, encoded((200, 100)), None, encoded((400, 200)), None, panel_height=panel_height
+        )
+    )
     assert picture.size == (3 * 2 * panel_height + 2 * PANEL_GAP, TITLE_HEIGHT + panel_height)
 
 
@@ -155,7 +166,9 @@ def test_crop_list_whose_boxes_all_fell_outside_keeps_the_colours_aligned():
     original = json.dumps({"group": {"box_2d": [[0, 0, 100, 100], [0, 900, 100, 1000]]}, "cat": {"bbox": list(cat)}})
     crop = json.dumps({"group": {"box_2d": [None, None]}, "cat": {"bbox": list(cat)}})
     assert [s.index for s in iter_box_slots(json.loads(crop), crop_frame=True)] == [0, 1, 2]
-    picture = decode(overlay_picture(encoded((400, 400)), original, encoded((400, 400)), crop, encoded((400, 400)), crop))
+    picture = decode(
+        overlay_picture(encoded((400, 400)), original, encoded((400, 400)), crop, encoded((400, 400)), crop)
+    )
     panel = (PANEL_HEIGHT, PANEL_HEIGHT)
     for panel_left in (0, PANEL_HEIGHT + PANEL_GAP, 2 * (PANEL_HEIGHT + PANEL_GAP)):
         assert picture.getpixel(left_edge_pixel(cat, panel_left, panel)) == BOX_COLOURS[2]
@@ -207,5 +220,9 @@ def test_headers_over_the_pixel_limit_are_not_decoded():
 
     # The limit is configurable: a 300x150 original is refused under 45,000 pixels.
     small = encoded((300, 150))
-    assert decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=45_000)).width == overlay_width([768, PANEL_HEIGHT, PANEL_HEIGHT])
-    assert decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999)).width == overlay_width([PANEL_HEIGHT] * 3)
+    assert decode(
+        overlay_picture(small, None, None, None, None, None, max_source_pixels=45_000)
+    ).width == overlay_width([768, PANEL_HEIGHT, PANEL_HEIGHT])
+    assert decode(
+        overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999)
+    ).width == overlay_width([PANEL_HEIGHT] * 3)

@@ -491,7 +491,7 @@ def test_palette_png_transparency_is_kept():
     image = assert_valid_output(result, (96, 64), AREA_512)
     assert image.mode == "RGBA"
     assert pixel(image, 0.1, 0.5)[3] == 0
-    assert close(pixel(image, 0.9, 0.5), RED + (255,), 6)
+    assert close(pixel(image, 0.9, 0.5), (*RED, 255), 6)
 
 
 def test_rgba_png_alpha_is_kept():
@@ -499,7 +499,7 @@ def test_rgba_png_alpha_is_kept():
     image = assert_valid_output(result, (96, 64), AREA_512)
     assert image.mode == "RGBA"
     assert pixel(image, 0.1, 0.5)[3] == 0
-    assert close(pixel(image, 0.9, 0.5), RED + (128,), 6)  # no colour bleeding from the transparent half
+    assert close(pixel(image, 0.9, 0.5), (*RED, 128), 6)  # no colour bleeding from the transparent half
 
 
 def test_rgba_png_composited_on_background_when_asked():

@@ -45,7 +45,14 @@ def tiny_main(tiny_main_template, tmp_path) -> Location:
 def dataset_entry(name: str, main: Location | str, output_root: Location | str, **extra) -> dict:
     main_uri = main.uri if isinstance(main, Location) else str(main)
     root_uri = output_root.uri if isinstance(output_root, Location) else str(output_root)
-    entry = {"name": name, "main_prefix": main_uri, "output_root": root_uri, "verify_sample": 8, "overlay_sample": 1, "overlay_embed": 1}
+    entry = {
+        "name": name,
+        "main_prefix": main_uri,
+        "output_root": root_uri,
+        "verify_sample": 8,
+        "overlay_sample": 1,
+        "overlay_embed": 1,
+    }
     entry.update(extra)
     return entry
 

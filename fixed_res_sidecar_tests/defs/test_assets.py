@@ -42,7 +42,10 @@ def test_graph_shape():
     graph = build_definitions(config).resolve_asset_graph()
     assert set(graph.get(KEYS.resized("512")).parent_keys) == {KEYS.main}
     assert set(graph.get(KEYS.verify("1024")).parent_keys) == {KEYS.resized("1024")}
-    assert set(graph.get(KEYS.crop_bbox).parent_keys) == {*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS)}
+    assert set(graph.get(KEYS.crop_bbox).parent_keys) == {
+        *(KEYS.resized(r) for r in RESOLUTIONS),
+        *(KEYS.verify(r) for r in RESOLUTIONS),
+    }
     assert graph.get(KEYS.main).is_external and not graph.get(KEYS.main).is_materializable
     # One multi-asset (one decode) holds both resolutions and can be subset.
     resized = graph.assets_def_for_key(KEYS.resized("512"))
@@ -84,7 +87,9 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     assert (resized["status"], resized["valid"], resized["invalid"]) == ("built", TINY_ROWS - 1, 1)
     assert sum(resized["error_counts"].values()) == 1 and resized["dagster/row_count"] == TINY_ROWS
     (code,) = resized["error_counts"]
-    audit = next(e for e in evaluations if e.asset_key == KEYS.verify("1024") and e.check_name == verify.AUDIT_CONSISTENT)
+    audit = next(
+        e for e in evaluations if e.asset_key == KEYS.verify("1024") and e.check_name == verify.AUDIT_CONSISTENT
+    )
     assert audit.metadata["error_counts"].value == {code: 1}
     assert audit.metadata["invalid_examples"].value[0]["error"] == code
     assert code in audit.metadata["invalid_examples_table"].value
@@ -110,7 +115,9 @@ def test_one_shard_end_to_end_on_s3(s3_bucket, instance):
     dataset = config.datasets[0]
     assert dataset.output("resized_1024").uri == f"s3://{s3_bucket}/lake/out/1_05mp_version_all_in_one/tiny"
     assert dataset.output("crop_bbox").exists("a/part-0.parquet")
-    assert metadata_of(result, KEYS.verify("512"))["report"].startswith(f"s3://{s3_bucket}/lake/out/verifier_reports/tiny/")
+    assert metadata_of(result, KEYS.verify("512"))["report"].startswith(
+        f"s3://{s3_bucket}/lake/out/verifier_reports/tiny/"
+    )
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, ["a/part-0.parquet"])
     assert set(statuses.values()) == {"SUCCEEDED"} and len(statuses) == len(RESIZED_CHECK_KEYS)
     assert "data:image/png;base64," in metadata_of(result, KEYS.crop_bbox)["overlays"]
@@ -156,7 +163,10 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     failed = [(e.asset_key, e.check_name) for e in failed_run.get_asset_check_evaluations() if not e.passed]
     assert failed == [(KEYS.verify("512"), verify.KEYS_MATCH)]
     statuses = check_partition_status(instance, [dg.AssetCheckKey(KEYS.verify("512"), verify.KEYS_MATCH)], [good, bad])
-    assert statuses == {("tiny/verify_512:keys_match", good): "SUCCEEDED", ("tiny/verify_512:keys_match", bad): "FAILED"}
+    assert statuses == {
+        ("tiny/verify_512:keys_match", good): "SUCCEEDED",
+        ("tiny/verify_512:keys_match", bad): "FAILED",
+    }
 
     # Across runs: automation requests crop_bbox for the good shard only.
     automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance, cursor=automation.cursor)

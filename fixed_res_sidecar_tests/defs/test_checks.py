@@ -40,7 +40,9 @@ def resized_report(**changes) -> verify.ShardReport:
         ],
         checks=[
             verify.CheckResult(verify.SHARD_COMPLETE, True, "10 rows, as in main", {"rows": 10, "main_rows": 10}),
-            verify.CheckResult(verify.KEYS_MATCH, False, "row 0 has key 'k1' where main has 'k0'", {"first_mismatch_row": 0}),
+            verify.CheckResult(
+                verify.KEYS_MATCH, False, "row 0 has key 'k1' where main has 'k0'", {"first_mismatch_row": 0}
+            ),
             verify.CheckResult(verify.AUDIT_CONSISTENT, True, "8 valid, 2 invalid", {"counts": {"decode_error": 1}}),
         ],
     )
@@ -112,7 +114,10 @@ def test_dataset_check_counts_shards_and_bytes_and_lists_missing(sample_build, t
             build_crop_bbox_shard(dataset.layout, rel)
         result = defs.resolve_job_def("sample__dataset_check").execute_in_process(instance=instance, run_config=QUIET)
         (evaluation,) = result.get_asset_check_evaluations()
-        assert evaluation.passed and evaluation.description == f"all {len(shards)} shards present in 512, 1024 and crop_bbox"
+        assert (
+            evaluation.passed
+            and evaluation.description == f"all {len(shards)} shards present in 512, 1024 and crop_bbox"
+        )
 
     # A missing output shard and a main shard that cannot be a partition are both reported.
     outputs[0].location.write_bytes("x,y.parquet", b"")  # an output with no main shard
@@ -155,7 +160,11 @@ def test_dataset_check_metadata_stays_small_and_lists_main_once(tmp_path, monkey
     assert listed[main.uri] == 1 and set(listed.values()) == {1} and len(listed) == 4
 
     assert not passed and f"512: {len(rels) - 10} of {len(rels)} shards missing" in description
-    assert (metadata["512_missing"], metadata["512_extra"], metadata["crop_bbox_missing"]) == (len(rels) - 10, 1, len(rels))
+    assert (metadata["512_missing"], metadata["512_extra"], metadata["crop_bbox_missing"]) == (
+        len(rels) - 10,
+        1,
+        len(rels),
+    )
     assert metadata["512_missing_shards"] == rels[10 : 10 + LISTED_MISSING]
     assert metadata["crop_bbox_missing_shards"] == rels[:LISTED_MISSING]
     assert metadata["512_extra_shards"] == ["orphan.parquet"]

@@ -90,7 +90,9 @@ def test_defaults_outputs_and_pixel_options():
     assert laion.output("resized_1024").uri == "/data/laion/out/1_05mp_version_all_in_one/laion"
     assert laion.output("crop_bbox").uri == "/data/laion/out/crop_bbox_sidecar/laion"
     assert laion.resized("512").area == AREA_512 and laion.resized("1024").area == AREA_1024
-    assert laion.resized("512").audit_prefix == "0_26mp_process" and laion.resized("1024").audit_prefix == "1_05mp_process"
+    assert (
+        laion.resized("512").audit_prefix == "0_26mp_process" and laion.resized("1024").audit_prefix == "1_05mp_process"
+    )
     options = laion.pixel_options()
     assert (options.quality, options.max_aspect_ratio, options.patch_size, options.output_format) == (90, 4, 32, "webp")
     assert laion.run_resources.cpu == 2 and laion.run_resources.memory_gb == 4
@@ -122,7 +124,10 @@ def test_outputs_that_overlap_each_other_or_the_captions_are_refused():
     message = refused(
         entry(
             caption_prefix="/data/laion/captions",
-            outputs={"crop_bbox": "/data/laion/out/0_262mp_version_all_in_one/laion/crop", "reports": "/data/laion/captions/r"},
+            outputs={
+                "crop_bbox": "/data/laion/out/0_262mp_version_all_in_one/laion/crop",
+                "reports": "/data/laion/captions/r",
+            },
         )
     )
     assert "field 'outputs.crop_bbox'" in message and "the resized_512 output" in message
@@ -132,8 +137,17 @@ def test_outputs_that_overlap_each_other_or_the_captions_are_refused():
 def test_output_inside_another_datasets_main_or_outputs_is_refused():
     message = refused(
         entry(name="a", main_prefix="/d/a/main", output_root="/d/a/out"),
-        entry(name="b", main_prefix="/d/b/main", output_root=None, outputs={
-            "resized_512": "/d/a/main/x", "resized_1024": "/d/a/out", "crop_bbox": "/d/b/c", "reports": "/d/b/r"}),
+        entry(
+            name="b",
+            main_prefix="/d/b/main",
+            output_root=None,
+            outputs={
+                "resized_512": "/d/a/main/x",
+                "resized_1024": "/d/a/out",
+                "crop_bbox": "/d/b/c",
+                "reports": "/d/b/r",
+            },
+        ),
     )
     assert "dataset 'b', field 'outputs.resized_512'" in message and "main dataset of dataset 'a'" in message
     assert "dataset 'b', field 'outputs.resized_1024'" in message and "of dataset 'a'" in message
@@ -251,7 +265,10 @@ def test_repo_datasets_file_pins_no_pixel_default():
         assert not (PIXEL_FIELDS - LIMIT_FIELDS) & set(dataset), "pixel settings in datasets.yaml pin a default"
         assert not LIMIT_FIELDS & set(dataset.get("limits") or {})
     text = REPO_DATASETS_FILE.read_text()
-    assert f"# webp_method: {PixelOptions().webp_method} " in text and "default" in text.split("# webp_method:")[1].split("\n")[0]
+    assert (
+        f"# webp_method: {PixelOptions().webp_method} " in text
+        and "default" in text.split("# webp_method:")[1].split("\n")[0]
+    )
 
 
 def test_audit_prefixes_areas_and_folders_come_from_core_resolutions():
@@ -261,6 +278,6 @@ def test_audit_prefixes_areas_and_folders_come_from_core_resolutions():
         assert (output.area, output.audit_prefix) == (resolution.area, resolution.audit_prefix)
         assert output.location.uri == f"/data/laion/out/{resolution.dataset_folder}/laion"
     assert DatasetKeys("laion").resized("1024") == dg.AssetKey(["laion", "resized_1024"])
-    assert KEY_RESOLUTIONS == tuple(RESOLUTIONS)
+    assert tuple(RESOLUTIONS) == KEY_RESOLUTIONS
     with pytest.raises(ValueError, match="unknown resolution '2048'"):
         DatasetKeys("laion").verify("2048")

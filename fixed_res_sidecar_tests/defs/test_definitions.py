@@ -10,10 +10,10 @@ import dagster as dg
 import yaml
 
 from fixed_res_sidecar.defs.config import DATASETS_ENV
-from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 from fixed_res_sidecar.defs.definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config
+from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 
 
 def dagster_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -45,7 +45,11 @@ def test_repo_definitions_load_and_validate():
     dg.Definitions.validate_loadable(defs)
     keys = DatasetKeys("sample")
     assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {
-        "sample/main", "sample/resized_512", "sample/resized_1024", "sample/verify_512", "sample/verify_1024",
+        "sample/main",
+        "sample/resized_512",
+        "sample/resized_1024",
+        "sample/verify_512",
+        "sample/verify_1024",
         "sample/crop_bbox",
     }
     job = defs.resolve_job_def(keys.shard_job)
@@ -66,7 +70,17 @@ def test_dagster_cli_validates_the_workspace(tmp_path):
 def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):
     bad = tmp_path / "datasets.yaml"
     bad.write_text(
-        yaml.safe_dump({"datasets": [{"name": "laion", "main_prefix": str(tmp_path / "main"), "output_root": str(tmp_path / "main" / "out")}]})
+        yaml.safe_dump(
+            {
+                "datasets": [
+                    {
+                        "name": "laion",
+                        "main_prefix": str(tmp_path / "main"),
+                        "output_root": str(tmp_path / "main" / "out"),
+                    }
+                ]
+            }
+        )
     )
     result = dagster_cli("definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, bad))
     output = result.stdout + result.stderr
@@ -76,7 +90,9 @@ def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):
 
 def test_two_datasets_stay_separate(tmp_path):
     config = make_config(
-        dataset_entry("laion", tmp_path / "laion" / "main", tmp_path / "laion" / "out", run_resources={"cpu": 4, "memory_gb": 16}),
+        dataset_entry(
+            "laion", tmp_path / "laion" / "main", tmp_path / "laion" / "out", run_resources={"cpu": 4, "memory_gb": 16}
+        ),
         dataset_entry("coco", tmp_path / "coco" / "main", tmp_path / "coco" / "out"),
     )
     defs = build_definitions(config)

@@ -87,7 +87,9 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
 def test_ticks_are_bounded_and_the_cursor_continues_the_listing(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     write_stub_shards(main, [f"p{i}.parquet" for i in range(5)])
-    dataset = make_config(dataset_entry("big", main, tmp_path / "out", sensor={"max_new_shards_per_tick": 2})).datasets[0]
+    dataset = make_config(dataset_entry("big", main, tmp_path / "out", sensor={"max_new_shards_per_tick": 2})).datasets[
+        0
+    ]
     sensor = discovery_sensor(dataset)
     cursor, added = None, []
     for expected in (["p0.parquet", "p1.parquet"], ["p2.parquet", "p3.parquet"], ["p4.parquet"]):
@@ -157,7 +159,9 @@ def test_unreadable_shard_is_observed_with_its_error(tmp_path):
 def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
     dataset = tiny_config.datasets[0]
     assert discovery_sensor(dataset).default_status == dg.DefaultSensorStatus.STOPPED
-    running = make_config(dataset_entry("on", tiny_main, tmp_path / "o2", sensor={"default_status": "running", "interval_seconds": 15}))
+    running = make_config(
+        dataset_entry("on", tiny_main, tmp_path / "o2", sensor={"default_status": "running", "interval_seconds": 15})
+    )
     sensor = discovery_sensor(running.datasets[0])
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     assert sensor.minimum_interval_seconds == 15

@@ -1,3 +1,5 @@
+import functools
+import operator
 import os
 import time
 from pathlib import Path
@@ -69,11 +71,10 @@ def test_output_must_not_overlap_main(main, output, refused):
 
 def test_write_atomic_publishes_whole_or_nothing(tmp_path):
     location = Location.parse(tmp_path / "out")
-    with pytest.raises(RuntimeError):
-        with location.write_atomic("a/b.parquet") as tmp:
-            Path(tmp).write_bytes(b"partial")
-            assert Path(tmp).parent == tmp_path / "out" / "a"  # same folder, so the rename is atomic
-            raise RuntimeError("crash mid-write")
+    with pytest.raises(RuntimeError), location.write_atomic("a/b.parquet") as tmp:
+        Path(tmp).write_bytes(b"partial")
+        assert Path(tmp).parent == tmp_path / "out" / "a"  # same folder, so the rename is atomic
+        raise RuntimeError("crash mid-write")
     assert not location.exists("a/b.parquet")
     assert list((tmp_path / "out" / "a").iterdir()) == []
     location.write_bytes("a/b.parquet", b"whole")
@@ -83,9 +84,11 @@ def test_write_atomic_publishes_whole_or_nothing(tmp_path):
 
 def test_write_path_refuses_protected_location(tmp_path):
     main = Location.parse(tmp_path / "main")
-    with pytest.raises(LocationError):
-        with Location.parse(tmp_path / "main" / "inside").write_atomic("x.parquet", protect=[main]):
-            pass
+    with (
+        pytest.raises(LocationError),
+        Location.parse(tmp_path / "main" / "inside").write_atomic("x.parquet", protect=[main]),
+    ):
+        pass
     assert not (tmp_path / "main").exists()
 
 
@@ -121,9 +124,8 @@ def test_a_write_through_a_symlink_into_main_is_refused(tmp_path, case):
     assert not output.overlaps(main)  # the prefixes alone do not overlap: only the real paths do
     with pytest.raises(LocationError, match="symbolic links"):
         output.write_bytes(rel, b"resized shard", protect=[main])
-    with pytest.raises(LocationError, match="symbolic links"):
-        with output.write_atomic(rel, protect=[main]) as tmp:
-            Path(tmp).write_bytes(b"resized shard")
+    with pytest.raises(LocationError, match="symbolic links"), output.write_atomic(rel, protect=[main]) as tmp:
+        Path(tmp).write_bytes(b"resized shard")
     assert tree_snapshot(main_dir) == before
 
 
@@ -189,14 +191,13 @@ def test_s3_round_trip(s3_bucket):
     location.write_bytes("x/report.json", b"{}")
     assert location.list_shards() == ["x/2.parquet", "x/y/1.parquet", "z.parquet"]
     pages = list(location.iter_shard_pages(page_size=2))  # 4 objects listed 2 a page; the JSON is not a shard
-    assert len(pages) == 2 and sum(pages, []) == location.list_shards()
+    assert len(pages) == 2 and functools.reduce(operator.iadd, pages, []) == location.list_shards()
     assert list(location.iter_shard_pages(start_after="x/2.parquet")) == [["x/y/1.parquet", "z.parquet"]]
     assert location.parquet_file("x/y/1.parquet").metadata.num_rows == 2
     assert location.read_bytes("x/report.json") == b"{}"
     assert location.size("missing.parquet") is None
     # A failed write leaves no object behind.
-    with pytest.raises(RuntimeError):
-        with location.write_atomic("failed.parquet") as tmp:
-            Path(tmp).write_bytes(b"partial")
-            raise RuntimeError("crash")
+    with pytest.raises(RuntimeError), location.write_atomic("failed.parquet") as tmp:
+        Path(tmp).write_bytes(b"partial")
+        raise RuntimeError("crash")
     assert not location.exists("failed.parquet")

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.core.audit import read_audit_records
-from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS, META_COLUMN
+from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
@@ -187,7 +187,7 @@ def test_refuses_a_row_count_mismatch(build):
 
 
 def test_refuses_an_output_overlapping_an_input(build):
-    main, r512, r1024, output = build
+    main, r512, r1024, _output = build
     rel = main.list_shards()[0]
     with pytest.raises(LocationError, match="main dataset"):
         build_crop_bbox_shard(sidecar_layout(main, r512, r1024, Location.parse(Path(main.path, "sidecar"))), rel)
@@ -201,14 +201,20 @@ def test_skip_existing(build):
     assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel).status == "built"
     assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, skip_existing=True).status == "skipped"
     # Other settings: rebuilt.
-    changed = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
+    changed = build_crop_bbox_shard(
+        sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True
+    )
     assert changed.status == "built"
     assert json.loads(pq.read_schema(output.child(rel)).metadata[SETTINGS_KEY])["caption_frame"] == "raw"
-    again = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
+    again = build_crop_bbox_shard(
+        sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True
+    )
     assert again.status == "skipped"
     # A shard with the wrong row count (same settings): rebuilt.
     rewrite(output, rel, lambda table: table.slice(0, 3).replace_schema_metadata(table.schema.metadata))
-    rebuilt = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True)
+    rebuilt = build_crop_bbox_shard(
+        sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel, skip_existing=True
+    )
     assert rebuilt.status == "built" and pq.read_metadata(output.child(rel)).num_rows == 10
     # Without skip_existing an up-to-date shard is rebuilt anyway.
     assert build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output, caption_frame="raw"), rel).status == "built"
@@ -287,7 +293,9 @@ def test_on_s3(build, s3_bucket):
     assert s3["sidecar"].list_shards() == [rel]
     remote = pq.read_table(s3["sidecar"].open_input(rel))
     assert remote.equals(pq.read_table(local_output.child(rel)))
-    again = build_crop_bbox_shard(sidecar_layout(s3["main"], s3["r512"], s3["r1024"], s3["sidecar"]), rel, skip_existing=True)
+    again = build_crop_bbox_shard(
+        sidecar_layout(s3["main"], s3["r512"], s3["r1024"], s3["sidecar"]), rel, skip_existing=True
+    )
     assert again.status == "skipped"
 
 
@@ -301,7 +309,10 @@ def test_main_shard_without_a_caption_column_has_every_caption_missing(build):
     assert "10 missing (the main shard has no caption column)" in result.status_text
     sidecar = pq.read_table(output.child(rel))
     assert sidecar.column_names == COLUMNS and sidecar.num_rows == 10
-    audits = {name: read_audit_records(pq.read_table(location.child(rel)), PREFIXES[name]) for name, location in (("512", r512), ("1024", r1024))}
+    audits = {
+        name: read_audit_records(pq.read_table(location.child(rel)), PREFIXES[name])
+        for name, location in (("512", r512), ("1024", r1024))
+    }
     for i, row in enumerate(sidecar.to_pylist()):
         assert row[CROP_COLUMNS["512"]] is None and row[CROP_COLUMNS["1024"]] is None
         meta = json.loads(row[META_COLUMN])

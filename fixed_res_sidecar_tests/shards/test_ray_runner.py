@@ -64,6 +64,7 @@ def build_or_kill_worker(layout, rel, *, marker_dir: str, kill_rels=(), kill_tim
     """
     attempt = _record_attempt(Path(marker_dir), rel)
     if rel in kill_rels and attempt <= kill_times:
+
         def die(_rows: int) -> None:
             outputs = layout.resized.values()
             half_written = [str(p) for o in outputs for p in Path(o.location.child(rel)).parent.glob(".*.tmp")]

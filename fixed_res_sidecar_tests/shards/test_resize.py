@@ -11,12 +11,12 @@ from fixed_res_sidecar.core.audit import AUDIT_TYPES, read_audit_records
 from fixed_res_sidecar.core.geometry import AREA_512, geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io.locations import Location, LocationError
-from fixed_res_sidecar.shards import resize
 from fixed_res_sidecar.io.parquet import ShardError
+from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.shards import resize
 from fixed_res_sidecar.shards.layout import ResizedOutput
 from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.settings import read_settings
-from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, layout_of, resized_outputs
 
 
@@ -28,7 +28,9 @@ def _snapshot(root) -> dict[str, bytes]:
     }
 
 
-def check_resized_dataset(main: Location, output: ResizedOutput, shards=None, key_column="image_key", image_column="image"):
+def check_resized_dataset(
+    main: Location, output: ResizedOutput, shards=None, key_column="image_key", image_column="image"
+):
     """Layout, rows, keys, schema and audited sizes of one resized dataset (or some shards) against main."""
     if shards is None:
         shards = main.list_shards()
@@ -151,14 +153,18 @@ def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     assert [o.status for o in again.outputs] == ["skipped", "skipped"]
     assert outputs[0].location.read_bytes(rel) == first
     # Other settings: rebuilt.
-    changed = build_resized_shard(layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True)
+    changed = build_resized_shard(
+        layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True
+    )
     assert [o.status for o in changed.outputs] == ["built", "built"]
     assert outputs[0].location.read_bytes(rel) != first
     # Same settings but a different row count in the footer: rebuilt.
     path = outputs[1].location.child(rel)
     table = pq.ParquetFile(path).read()
     pq.write_table(table.slice(0, 3), path)
-    partial = build_resized_shard(layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True)
+    partial = build_resized_shard(
+        layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True
+    )
     assert [o.status for o in partial.outputs] == ["skipped", "built"]
     assert outputs[1].location.parquet_file(rel).metadata.num_rows == 10
 

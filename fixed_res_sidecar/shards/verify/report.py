@@ -123,14 +123,16 @@ def guarded(name: str, uri: str, check: Callable[..., CheckResult], *args) -> Ch
         return check(*args)
     except ShardError as problem:
         return CheckResult(name, False, str(problem))
-    except Exception as exc:  # damaged data must fail a check, never crash a run over many shards
+    except Exception as exc:  # noqa: BLE001 - damaged data must fail a check, never crash a run over many shards
         return CheckResult(name, False, f"{uri}: {name} could not be checked: {describe(exc)}")
 
 
 def not_checked(names: Sequence[str], problem: ShardError, shard_incomplete: bool = False) -> list[CheckResult]:
     """Every check failed for want of a readable shard; shard_complete says why when it is the checked one."""
     return [
-        CheckResult(name, False, str(problem) if shard_incomplete and name == SHARD_COMPLETE else f"not checked: {problem}")
+        CheckResult(
+            name, False, str(problem) if shard_incomplete and name == SHARD_COMPLETE else f"not checked: {problem}"
+        )
         for name in names
     ]
 

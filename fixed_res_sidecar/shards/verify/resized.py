@@ -217,7 +217,7 @@ def _sample_problem(data: bytes, audit: dict[str, Any], area: int, options: Veri
         with open_image(data) as image:
             image.load()
             size = image.size
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - an image that does not decode fails the sample check
         return f"does not decode: {describe(exc)}"
     tw, th = audit["width"], audit["height"]
     if tw is None or th is None:
@@ -299,9 +299,15 @@ def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckRes
     invalid = sum(1 for v in audit["valid"] if v is False)
     error_counts = dict(sorted(per_code.items()))
     if valid + invalid != shard.rows or len(shard.has_image) != shard.rows:
-        problems.insert(0, {"row": None, "key": None, "problem": f"valid {valid} + invalid {invalid} != rows {shard.rows}"})
+        problems.insert(
+            0, {"row": None, "key": None, "problem": f"valid {valid} + invalid {invalid} != rows {shard.rows}"}
+        )
     metadata = {
-        "rows": shard.rows, "valid": valid, "invalid": invalid, "error_counts": error_counts, "invalid_examples": examples
+        "rows": shard.rows,
+        "valid": valid,
+        "invalid": invalid,
+        "error_counts": error_counts,
+        "invalid_examples": examples,
     }
     if problems:
         return problems_result(AUDIT_CONSISTENT, shard.uri, "audit problem(s)", problems, metadata)

@@ -158,9 +158,7 @@ def _read_audit(output: ResizedOutput, rel: str, key_column: str) -> tuple[str, 
         raise ShardError(f"resized shard {uri}: {exc}") from None
 
 
-def _check_meta(
-    uri: str, rel: str, table: pa.Table, key_column: str, resized: dict[str, ResizedOutput]
-) -> CheckResult:
+def _check_meta(uri: str, rel: str, table: pa.Table, key_column: str, resized: dict[str, ResizedOutput]) -> CheckResult:
     """Each row's meta against both audits. Its metadata holds what the meta says: caption
     statuses, box counts and invalid rows per resolution."""
     if META_COLUMN not in table.column_names:

@@ -1,14 +1,12 @@
 """shards/verify/resized.py: SPEC 7 items 1-4 catch each kind of damage, naming the shard; the gate."""
 
 import io
-import json
 import math
 import random
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
@@ -59,7 +57,9 @@ def test_undamaged_build_passes_every_check(sidecar_build):
             assert report.passed, [c.message for c in report.failed_checks]
             assert report.rows == rows and report.valid + report.invalid == rows
             assert report.invalid >= 1 and set(report.error_counts) <= set(ERROR_CODES)
-            assert report.resolution == resolution and report.target_area == area_for_audit_prefix(sidecar_build.prefixes[resolution])
+            assert report.resolution == resolution and report.target_area == area_for_audit_prefix(
+                sidecar_build.prefixes[resolution]
+            )
             example = report.examples[0]
             assert set(example) == {"row", "key", "error", "detail"} and example["error"] in ERROR_CODES
             assert report.check(SAMPLE_IMAGES).metadata["sampled"] == report.valid  # fewer rows than the sample size
@@ -92,7 +92,12 @@ def test_two_swapped_keys_are_caught_with_the_first_mismatch(sidecar_build):
     message = assert_failed(report, KEYS_MATCH, sidecar_build.r1024, containing="row 1")
     assert repr(keys[1]) in message and repr(keys[2]) in message
     assert report.check(KEYS_MATCH).metadata == {
-        "rows": 10, "main_rows": 10, "mismatching_rows": 2, "first_mismatch_row": 1, "key": keys[1], "main_key": keys[2]
+        "rows": 10,
+        "main_rows": 10,
+        "mismatching_rows": 2,
+        "first_mismatch_row": 1,
+        "key": keys[1],
+        "main_key": keys[2],
     }
     assert report.check(SHARD_COMPLETE).passed
 
@@ -125,7 +130,10 @@ def test_missing_main_shard_fails_every_check_naming_it(sidecar_build):
 def test_image_whose_size_differs_from_its_audit_is_caught(sidecar_build):
     prefix = sidecar_build.prefixes["512"]
     row = first_row(sidecar_build.r512, REL, f"{prefix}_valid", True)
-    width, height = column(sidecar_build.r512, REL, f"{prefix}_width")[row], column(sidecar_build.r512, REL, f"{prefix}_height")[row]
+    width, height = (
+        column(sidecar_build.r512, REL, f"{prefix}_width")[row],
+        column(sidecar_build.r512, REL, f"{prefix}_height")[row],
+    )
     wrong = io.BytesIO()
     Image.new("RGB", (width + 32, height), (10, 20, 30)).save(wrong, "WEBP")
     images = column(sidecar_build.r512, REL, "image")
@@ -204,7 +212,9 @@ def test_unknown_error_code_is_caught(sidecar_build):
     errors = column(sidecar_build.r1024, REL, f"{prefix}_error")
     errors[row] = "gremlins"
     rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, f"{prefix}_error", errors))
-    assert_failed(sidecar_build.verify("1024"), AUDIT_CONSISTENT, sidecar_build.r1024, containing="unknown error code 'gremlins'")
+    assert_failed(
+        sidecar_build.verify("1024"), AUDIT_CONSISTENT, sidecar_build.r1024, containing="unknown error code 'gremlins'"
+    )
 
 
 def test_valid_row_without_image_is_caught(sidecar_build):
@@ -226,7 +236,9 @@ def test_invalid_row_with_an_image_is_caught(sidecar_build):
     images = column(sidecar_build.r512, REL, "image")
     images[invalid_row] = images[valid_row]
     rewrite_shard(sidecar_build.r512, REL, lambda t: replace_column(t, "image", images))
-    assert_failed(sidecar_build.verify("512"), AUDIT_CONSISTENT, sidecar_build.r512, containing="invalid row has an image")
+    assert_failed(
+        sidecar_build.verify("512"), AUDIT_CONSISTENT, sidecar_build.r512, containing="invalid row has an image"
+    )
 
 
 def test_missing_audit_column_fails_audit_and_sample_checks(sidecar_build):
@@ -342,5 +354,7 @@ def test_resized_verification_problems_name_the_shard_and_failed_checks(sidecar_
     images[row] = None
     rewrite_shard(sidecar_build.r1024, REL, lambda t: replace_column(t, "image", images))
     (problem,) = resized_verification_problems(sidecar_build.layout(), REL, options)
-    assert problem.startswith(f"resized 1024 shard {sidecar_build.r1024.child(REL)} did not pass the verifier: audit_consistent (")
+    assert problem.startswith(
+        f"resized 1024 shard {sidecar_build.r1024.child(REL)} did not pass the verifier: audit_consistent ("
+    )
     assert "valid row has no image" in problem

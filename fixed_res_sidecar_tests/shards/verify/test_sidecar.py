@@ -105,7 +105,9 @@ def test_crop_checks_use_the_box_keys_and_frame_the_sidecar_recorded(sidecar_bui
     caption = json.loads(crops[row])
     caption["objects"][0]["region"] = [0, 0, 1001, 500]
     crops[row] = json.dumps(caption)
-    rewrite_shard(sidecar_build.sidecar, REL, lambda t: replace_column(t, CROP_COLUMNS["512"], crops))  # keeps the footer settings
+    rewrite_shard(
+        sidecar_build.sidecar, REL, lambda t: replace_column(t, CROP_COLUMNS["512"], crops)
+    )  # keeps the footer settings
     message = assert_failed(sidecar_build.verify_crop(), BOXES_VALID, sidecar_build.sidecar, containing=f"row {row}")
     assert "objects[0].region = [0, 0, 1001, 500]" in message
     explicit = sidecar_build.verify_crop(bbox_keys=("box_2d",), caption_frame="oriented")
@@ -129,7 +131,9 @@ def test_a_box_list_wholly_outside_the_crop_is_not_a_bad_box(sidecar_build, tmp_
     widths = column(sidecar_build.r512, REL, f"{prefix}_src_width")
     row = next(i for i, (x, w) in enumerate(zip(x0, widths)) if x is not None and x / w > 0.01)
     captions = column(sidecar_build.main, REL, "structured_description")
-    captions[row] = json.dumps({"group": {"box_2d": [[0, 0, 100, 2], [500, 0, 600, 3]]}, "cat": {"bbox": [400, 400, 600, 600]}})
+    captions[row] = json.dumps(
+        {"group": {"box_2d": [[0, 0, 100, 2], [500, 0, 600, 3]]}, "cat": {"bbox": [400, 400, 600, 600]}}
+    )
     rewrite_shard(sidecar_build.main, REL, lambda t: replace_column(t, "structured_description", captions))
     build_crop_bbox_shard(sidecar_build.layout(), REL)
     crop = json.loads(column(sidecar_build.sidecar, REL, CROP_COLUMNS["512"])[row])
