@@ -32,20 +32,14 @@ from fixed_res_sidecar.shards.verify import (
 )
 from fixed_res_sidecar.shards.verify.resized import aspect_tolerance
 from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
-from fixed_res_sidecar_tests.fixtures.datasets import column, replace_column, rewrite_shard, sidecar_layout
-
-
-def first_row(location: Location, rel: str, name: str, value) -> int:
-    return column(location, rel, name).index(value)
-
-
-def assert_failed(report, name: str, location: Location, rel: str = REL, containing: str = "") -> str:
-    check = report.check(name)
-    assert not check.passed, check
-    assert not report.passed
-    assert location.child(rel) in check.message, check.message  # the message names the shard
-    assert containing in check.message
-    return check.message
+from fixed_res_sidecar_tests.fixtures.datasets import (
+    assert_failed,
+    column,
+    first_row,
+    replace_column,
+    rewrite_shard,
+    sidecar_layout,
+)
 
 
 def test_undamaged_build_passes_every_check(sidecar_build):

@@ -14,20 +14,13 @@ from fixed_res_sidecar.shards.verify import (
     SIDECAR_COLUMNS,
 )
 from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
-from fixed_res_sidecar_tests.fixtures.datasets import SidecarBuild, column, replace_column, rewrite_shard
-
-
-def first_row(location: Location, rel: str, name: str, value) -> int:
-    return column(location, rel, name).index(value)
-
-
-def assert_failed(report, name: str, location: Location, rel: str = REL, containing: str = "") -> str:
-    check = report.check(name)
-    assert not check.passed, check
-    assert not report.passed
-    assert location.child(rel) in check.message, check.message  # the message names the shard
-    assert containing in check.message
-    return check.message
+from fixed_res_sidecar_tests.fixtures.datasets import (
+    SidecarBuild,
+    assert_failed,
+    column,
+    replace_column,
+    rewrite_shard,
+)
 
 
 def crop_row_with_box(build: SidecarBuild, resolution: str) -> int:
