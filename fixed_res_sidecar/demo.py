@@ -201,7 +201,7 @@ def run_demo(
 
     import dagster as dg
 
-    from fixed_res_sidecar.defs.definitions import build_definitions
+    from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 
     config = load_config(config_file)
     dataset = config.datasets[0]

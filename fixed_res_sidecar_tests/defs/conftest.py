@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
-from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
 

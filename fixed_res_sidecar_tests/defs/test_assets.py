@@ -7,7 +7,7 @@ import dagster as dg
 import pytest
 
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
-from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify

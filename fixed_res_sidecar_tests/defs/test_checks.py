@@ -14,7 +14,7 @@ from fixed_res_sidecar.defs.checks import (
     summarize_dataset,
     to_metadata,
 )
-from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify

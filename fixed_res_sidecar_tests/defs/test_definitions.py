@@ -10,7 +10,7 @@ import dagster as dg
 import yaml
 
 from fixed_res_sidecar.defs.config import DATASETS_ENV
-from fixed_res_sidecar.defs.definitions import build_definitions
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
@@ -39,9 +39,14 @@ def cli_env(tmp_path: Path, datasets: Path | None = None) -> dict[str, str]:
     return env
 
 
-def test_repo_definitions_load_and_validate():
-    from fixed_res_sidecar.defs.definitions import defs
+def test_repo_definitions_load_and_validate(monkeypatch):
+    import importlib
 
+    from fixed_res_sidecar.defs import definitions
+
+    monkeypatch.chdir(REPO_ROOT)  # the code location reads datasets.yaml from where it starts
+    monkeypatch.delenv(DATASETS_ENV, raising=False)
+    defs = importlib.reload(definitions).defs
     dg.Definitions.validate_loadable(defs)
     keys = DatasetKeys("sample")
     assert {k.to_user_string() for k in defs.resolve_all_asset_keys()} == {

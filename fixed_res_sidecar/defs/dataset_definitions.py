@@ -1,0 +1,70 @@
+"""The Dagster definitions of the datasets of a datasets file (`definitions.py` loads them).
+
+Per dataset (see `dataset_definitions`): its assets and checks, one shard job (what the
+discovery sensor requests and what a UI backfill of the job runs, one run per shard), a
+dataset-check job and its schedule, the discovery sensor and the automation sensor.
+Everything runs in process: shard steps are few and sequential, and on small machines the
+multiprocess executor costs seconds per step.
+"""
+
+import dagster as dg
+
+from fixed_res_sidecar.defs.assets import dataset_assets
+from fixed_res_sidecar.defs.checks import dataset_check
+from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
+from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.partitions import shard_partitions
+from fixed_res_sidecar.defs.resources import default_resources
+from fixed_res_sidecar.defs.run_resources import dataset_run_tags
+from fixed_res_sidecar.defs.sensors import automation_sensor, discovery_sensor
+
+DATASET_CHECK_CRON = "0 * * * *"  # hourly; the check lists three prefixes, cheap next to the shards
+
+
+def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:
+    """Everything built per shard (main is external and never part of a run)."""
+    return dg.AssetSelection.assets(
+        *(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox
+    )
+
+
+def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
+    keys = DatasetKeys(dataset.name)
+    partitions = shard_partitions(keys)
+    shard_job = dg.define_asset_job(
+        keys.shard_job,
+        selection=shard_job_selection(keys),
+        executor_def=dg.in_process_executor,
+        # `tags`, not `run_tags`: job backfills copy the job's tags onto every run they create.
+        tags=dataset_run_tags(dataset),
+        description=(
+            f"Resize, verify and crop one shard of {dataset.name} (one run per shard/partition). "
+            "Backfill it from the UI to build many shards."
+        ),
+    )
+    check_job = dg.define_asset_job(
+        keys.dataset_check_job,
+        selection=dg.AssetSelection.checks(keys.dataset_check),
+        executor_def=dg.in_process_executor,
+        tags=dataset_run_tags(dataset),
+        description=f"Shard counts and bytes of {dataset.name}'s main, 512, 1024 and crop_bbox datasets.",
+    )
+    check_schedule = dg.ScheduleDefinition(
+        name=f"{dataset.name}__dataset_check_hourly",
+        job=check_job,
+        cron_schedule=DATASET_CHECK_CRON,
+        default_status=dg.DefaultScheduleStatus.RUNNING,
+    )
+    return dg.Definitions(
+        assets=dataset_assets(dataset, partitions),
+        asset_checks=[dataset_check(dataset)],
+        jobs=[shard_job, check_job],
+        schedules=[check_schedule],
+        sensors=[discovery_sensor(dataset), automation_sensor(dataset)],
+    )
+
+
+def build_definitions(config: SidecarConfig) -> dg.Definitions:
+    """All datasets of a config, merged, with the shared resources and the in-process executor."""
+    merged = dg.Definitions.merge(*(dataset_definitions(d) for d in config.datasets))
+    return dg.Definitions.merge(merged, dg.Definitions(resources=default_resources(), executor=dg.in_process_executor))
