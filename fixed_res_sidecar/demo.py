@@ -6,7 +6,7 @@
    the Dagster definitions from it, exactly as `dagster dev` would.
 3. Opens a persistent Dagster instance (`DAGSTER_HOME`, default `<workdir>/dagster_home`),
    runs one tick of the discovery sensor in process (new shards become partitions, each is
-   observed on `sample/main`).
+   recorded on `sample/main`).
 4. Runs the shard job (resize both resolutions, verify, crop) once per shard in process,
    skipping shards whose assets are all materialised, whose checks all passed and whose
    files are all there; outputs already built with the same settings are kept (SPEC 2
@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.config import DATASETS_ENV, DatasetConfig, load_config
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
@@ -61,7 +62,7 @@ class DemoSummary:
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)  # resolution -> valid, invalid, errors
     checks: dict[str, Counter] = field(default_factory=dict)  # asset/check -> Counter(passed/failed/missing)
     failed_checks: list[str] = field(default_factory=list)
-    dataset_check: tuple[bool, str] | None = None
+    audit: tuple[bool, str, str] | None = None  # passed, severity, description of the dataset audit
     overlays: list[str] = field(default_factory=list)
 
     @property
@@ -70,6 +71,7 @@ class DemoSummary:
             all(s.status != "failed" for s in self.shards)
             and not self.failed_checks
             and all(not c["failed"] and not c["not run"] for c in self.checks.values())
+            and (self.audit is None or self.audit[0])
         )
 
 
@@ -236,33 +238,31 @@ def run_demo(
                 summary.shards.append(ShardOutcome(rel, "failed", seconds, detail))
                 say(f"[{index}/{len(rels)}] {rel}: FAILED in {seconds:.1f} s: {detail} (run {result.run_id})")
 
-        check_run = defs.resolve_job_def(keys.dataset_check_job).execute_in_process(
+        audit_run = defs.resolve_job_def(keys.audit_job).execute_in_process(
             instance=instance, raise_on_error=False, run_config=QUIET_RUN_CONFIG
         )
-        evaluations = check_run.get_asset_check_evaluations()
-        if evaluations:
-            summary.dataset_check = (evaluations[0].passed, evaluations[0].description or "")
-        _collect(summary, instance, defs, dataset, rels)
+        for evaluation in audit_run.get_asset_check_evaluations():
+            summary.audit = (evaluation.passed, evaluation.severity.value, evaluation.description or "")
+        totals = {
+            k: v.value
+            for e in audit_run.get_asset_materialization_events()
+            for k, v in e.materialization.metadata.items()
+        }
+        _collect(summary, instance, defs, dataset, rels, totals)
     return summary
 
 
-def _collect(summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str]) -> None:
-    from fixed_res_sidecar.defs.history import latest_metadata
-
-    keys = DatasetKeys(dataset.name)
+def _collect(
+    summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str], totals: dict[str, Any]
+) -> None:
+    """Rows per resolution from the dataset audit's totals; check results per shard from the instance."""
     for resolution in RESOLUTIONS:
-        totals: Counter = Counter()
-        errors: Counter = Counter()
-        for rel in rels:
-            metadata = latest_metadata(instance, keys.verify(resolution), rel) or {}
-            totals["valid"] += metadata.get("valid") or 0
-            totals["invalid"] += metadata.get("invalid") or 0
-            errors.update(metadata.get("error_counts") or {})
+        errors = {code: totals.get(f"{resolution}_invalid_{code}", 0) for code in ERROR_CODES}
         summary.rows[resolution] = {
             "audit_prefix": dataset.resized(resolution).audit_prefix,
-            "valid": totals["valid"],
-            "invalid": totals["invalid"],
-            "errors": dict(sorted(errors.items())),
+            "valid": totals.get(f"{resolution}_valid_rows", 0),
+            "invalid": totals.get(f"{resolution}_invalid_rows", 0),
+            "errors": {code: n for code, n in errors.items() if n},
         }
     statuses = _check_statuses(instance, defs, dataset, rels)
     check_names = sorted({name for name, _ in statuses})
@@ -304,9 +304,11 @@ def format_summary(summary: DemoSummary) -> str:
     for name, counter in summary.checks.items():
         extra = "".join(f", {counter[k]} {k}" for k in ("failed", "not run") if counter[k])
         lines.append(f"    {name:<38} {counter['passed']}/{len(summary.shards)} passed{extra}")
-    if summary.dataset_check is not None:
-        passed, text = summary.dataset_check
-        lines.append(f"    {keys.dataset_check.to_user_string():<38} {'passed' if passed else 'WARN'}: {text}")
+    if summary.audit is not None:
+        passed, severity, text = summary.audit
+        verdict = "passed" if passed else severity
+        lines.append(f"  dataset audit ({keys.dataset_audit.to_user_string()}): {verdict}")
+        lines += [f"    {line}" for line in text.splitlines()]
     for text in summary.failed_checks[:20]:
         lines.append(f"    FAILED {text}")
     overlay_dir = dataset.layout.report_location("overlays").uri

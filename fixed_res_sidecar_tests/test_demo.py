@@ -30,7 +30,7 @@ def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch,
         assert rows["valid"] + rows["invalid"] == 12 and rows["invalid"] == sum(rows["errors"].values()) >= 1
     assert len(first.checks) == 4 + 4 + 5
     assert all(counter["passed"] == 2 for counter in first.checks.values())
-    assert first.dataset_check is not None and first.dataset_check[0]
+    assert first.audit is not None and first.audit[0], first.audit
     assert first.overlays and all(path.endswith(".png") for path in first.overlays)
     text = demo.format_summary(first)
     assert "2 built now, 0 already up to date, 0 failed" in text and "result: OK" in text

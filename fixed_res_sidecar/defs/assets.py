@@ -5,7 +5,7 @@
                   (one multi-asset, one decode)
 
 - `main`: the main Parquet dataset, external (never materialised here); the discovery sensor
-  records one observation per shard (row count, bytes).
+  records each shard as a runless materialization (row count, bytes).
 - `resized_512` + `resized_1024`: one multi-asset over `shards.resize.build_resized_shard`, so
   one decode feeds both; either can be selected alone.
 - `verify_512` / `verify_1024`: `shards.verify.verify_resized_shard`; the JSON report is written
@@ -28,15 +28,18 @@ from collections.abc import Iterator
 
 import dagster as dg
 
+from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.overlay import thumbnail_png
+from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.checks import (
+    audit_check_result,
     check_results,
     crop_check_specs,
-    examples_markdown,
+    dataset_audit_check_spec,
+    examples_table,
     report_counts,
     resized_check_specs,
-    to_metadata,
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import unverified_resized_problems
@@ -69,7 +72,7 @@ def main_spec(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg
         group_name=keys.group,
         description=(
             f"The main dataset {dataset.main.uri} (read only, never materialised here). One partition per "
-            "shard; the discovery sensor records each shard's row count and bytes as an observation."
+            "shard; the discovery sensor records each shard (row count, bytes) as a runless materialization."
         ),
         metadata={"uri": dg.MetadataValue.path(dataset.main.uri), "key_column": dataset.key_column},
         kinds={"parquet"},
@@ -127,7 +130,8 @@ def resized_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) 
             if summary.status == "built":  # a skipped (up to date) shard was not read: its verifier has the counts
                 metadata["valid"] = dg.MetadataValue.int(summary.valid)
                 metadata["invalid"] = dg.MetadataValue.int(sum(summary.error_counts.values()))
-                metadata["error_counts"] = dg.MetadataValue.json(dict(sorted(summary.error_counts.items())))
+                for code in ERROR_CODES:
+                    metadata[f"invalid_{code}"] = dg.MetadataValue.int(summary.error_counts.get(code, 0))
             yield dg.MaterializeResult(asset_key=keys.resized(resolution), metadata=metadata)
 
     return _resized
@@ -161,8 +165,8 @@ def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.Partiti
                 "report": dg.MetadataValue.path(reports.child(path)),
                 "passed": dg.MetadataValue.bool(report.passed),
                 "failed_checks": dg.MetadataValue.json(failed),
-                **to_metadata(report_counts(report)),
-                "invalid_examples": dg.MetadataValue.md(examples_markdown(report.examples)),
+                **report_counts(report),
+                "invalid_examples": examples_table(report.examples),
             },
             check_results=check_results(report, keys.verify(resolution), verify.RESIZED_CHECKS),
         )
@@ -193,34 +197,56 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
     reports = layout.report_location("crop_bbox")
     overlays = layout.report_location("overlays") if dataset.overlay_sample > 0 else None
 
-    @dg.asset(
-        key=keys.crop_bbox,
+    spec = dg.AssetSpec(
+        keys.crop_bbox,
         deps=[keys.resized("512"), keys.resized("1024"), keys.verify("512"), keys.verify("1024")],
         partitions_def=partitions,
         group_name=keys.group,
-        check_specs=crop_check_specs(keys, partitions),
         automation_condition=CROP_BBOX_CONDITION,
         description=(
             "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
             f"bbox_resize_meta per row, at {layout.sidecar.uri}. Built for a shard only after both verifiers' blocking "
-            "checks passed for it. Overlay pictures of sampled rows are in the materialization metadata."
+            "checks passed for it (a refused shard gets an observation saying why, and no materialization). "
+            "Overlay pictures of sampled rows are in the materialization metadata."
         ),
         kinds={"parquet", "json"},
+        skippable=True,
     )
-    def _crop_bbox(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> dg.MaterializeResult:
+
+    # A multi-asset, not an asset: its outputs and check results are optional, so a refused shard
+    # emits neither (an asset's check results are required, and would show as failed).
+    @dg.multi_asset(
+        name=keys.crop_bbox_op,
+        specs=[spec],
+        check_specs=crop_check_specs(keys, partitions),
+        partitions_def=partitions,
+        can_subset=True,
+    )
+    def _crop_bbox(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator:
         rel = context.partition_key
         # The gate also holds for a run of crop_bbox alone (the UI allows one): Dagster's blocking
         # checks stop downstream steps only in their own run.
         problems = unverified_resized_problems(context.instance, keys, rel)
         if problems:
-            raise dg.Failure(
-                description=(
-                    f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the "
-                    f"current resized shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run "
-                    "verify_512/verify_1024 for it, then crop_bbox."
-                ),
-                allow_retries=False,
+            # Nothing is built and no check runs (the UI shows them skipped, not failed: the sidecar on
+            # disk did not change); the refusal is recorded on the shard, where the UI shows it.
+            reason = (
+                f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the current "
+                f"resized shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run "
+                "verify_512/verify_1024 for it, then crop_bbox."
             )
+            context.log.warning(reason)
+            yield dg.AssetObservation(
+                asset_key=keys.crop_bbox,
+                partition=rel,
+                description=reason[:2000],
+                metadata={
+                    "gate": dg.MetadataValue.text("refused: nothing built"),
+                    "shard": dg.MetadataValue.text(rel),
+                    "reason": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems)),
+                },
+            )
+            return
         started = time.monotonic()
         result = build_crop_bbox_shard(layout, rel, skip_existing=sidecar.skip_existing)
         context.log.info(f"{rel}: crop_bbox {result.status_text}")
@@ -240,7 +266,7 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
             metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
             metadata["overlays"] = dg.MetadataValue.md(_overlays(context, layout, rel, overlays, dataset))
         metadata["seconds"] = dg.MetadataValue.float(round(time.monotonic() - started, 3))
-        return dg.MaterializeResult(
+        yield dg.MaterializeResult(
             metadata=metadata, check_results=check_results(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS)
         )
 
@@ -258,6 +284,30 @@ def _overlays(context, layout, rel: str, overlays: Location, dataset: DatasetCon
     return overlay_markdown(overlays, pictures, dataset.overlay_embed)
 
 
+def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
+    keys = DatasetKeys(dataset.name)
+
+    @dg.asset(
+        key=keys.audit,
+        deps=[keys.main, *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox],
+        group_name=keys.group,
+        check_specs=[dataset_audit_check_spec(keys)],
+        description=(
+            f"The audit of {dataset.name}: shards, rows and bytes of main and every output, valid and invalid rows "
+            "per error code and resolution, and the shards whose checks failed or whose crop_bbox is missing, "
+            "from what the Dagster instance recorded (no data is read). Its numbers are plotted across "
+            "materializations; its check fails when a shard failed a blocking check or lacks its crop_bbox."
+        ),
+        kinds={"json"},
+    )
+    def _audit(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+        audit = audit_dataset(context.instance, keys, own_run_id=context.run_id)
+        context.log.info(audit.description())
+        return dg.MaterializeResult(metadata=audit.metadata(), check_results=[audit_check_result(keys, audit)])
+
+    return _audit
+
+
 def dataset_assets(
     dataset: DatasetConfig, partitions: dg.PartitionsDefinition
 ) -> list[dg.AssetSpec | dg.AssetsDefinition]:
@@ -267,4 +317,5 @@ def dataset_assets(
         resized_assets(dataset, partitions),
         *(verify_asset(dataset, resolution, partitions) for resolution in RESOLUTIONS),
         crop_bbox_asset(dataset, partitions),
+        audit_asset(dataset),
     ]

@@ -10,8 +10,7 @@ to Dagster and turns a `ShardReport` into check results:
   condition of `crop_bbox` waits for them to pass.
 - `<dataset>/crop_bbox` carries the sidecar checks (columns, keys, boxes, meta against the
   audits).
-- `<dataset>/main` carries `dataset_summary`: shard counts and bytes of main, 512, 1024 and
-  the sidecar, and which shards are missing (WARN: missing shards are normal mid-backfill).
+- `<dataset>/audit` carries `dataset_audit`, the verdict of the dataset audit (defs/audit.py).
 """
 
 import json
@@ -21,11 +20,9 @@ from typing import Any
 
 import dagster as dg
 
-from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
-from fixed_res_sidecar.defs.partitions import partition_key_problem
+from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.shards import verify
-from fixed_res_sidecar.shards.listing import dataset_summary
 
 RESIZED_CHECK_DESCRIPTIONS = {
     verify.SHARD_COMPLETE: "SPEC 7.1: the output shard exists and its row count equals the main shard's.",
@@ -47,10 +44,7 @@ CROP_CHECK_DESCRIPTIONS = {
     verify.BOXES_VALID: "Every non-null box in the crop columns is four integers in 0..1000 with min <= max.",
     verify.META_MATCHES_AUDIT: "bbox_resize_meta's validity, sizes, crop box and scale agree with both resize audits.",
 }
-DATASET_CHECK_NAME = "dataset_summary"
-LISTED_MISSING = 50  # at most this many shard names per list in the dataset check's metadata
-# Check metadata name -> dataset output, for the dataset check.
-DATASET_CHECK_OUTPUTS = {**{r: f"resized_{r}" for r in RESOLUTIONS}, "crop_bbox": "crop_bbox"}
+DATASET_AUDIT_CHECK = "dataset_audit"
 
 
 def partitioned_check_spec(
@@ -102,25 +96,39 @@ def to_metadata(values: Mapping[str, Any]) -> dict[str, dg.MetadataValue]:
     return {str(k): metadata_value(v) for k, v in values.items()}
 
 
-def examples_markdown(examples: Sequence[Mapping[str, Any]], limit: int = 20) -> str:
-    """Invalid rows as a markdown table (row, key, error code, detail)."""
-    if not examples:
-        return "_no invalid rows_"
-    lines = ["| row | key | error | detail |", "|---:|---|---|---|"]
-    for example in list(examples)[:limit]:
-        detail = str(example.get("detail") or "").replace("|", "\\|").replace("\n", " ")[:160]
-        lines.append(f"| {example.get('row', '')} | `{example.get('key')}` | {example.get('error')} | {detail} |")
-    return "\n".join(lines)
+def examples_table(examples: Sequence[Mapping[str, Any]], limit: int = 20) -> dg.MetadataValue:
+    """Invalid rows as a table the UI renders (row, key, error code, detail)."""
+    schema = dg.TableSchema(
+        columns=[
+            dg.TableColumn("row", "int"),
+            dg.TableColumn("key", "string"),
+            dg.TableColumn("error", "string"),
+            dg.TableColumn("detail", "string"),
+        ]
+    )
+    records = [
+        dg.TableRecord(
+            {
+                "row": int(example.get("row") or 0),
+                "key": str(example.get("key")),
+                "error": str(example.get("error")),
+                "detail": str(example.get("detail") or "")[:300],
+            }
+        )
+        for example in list(examples)[:limit]
+    ]
+    return dg.MetadataValue.table(records, schema=schema)
 
 
-def report_counts(report: verify.ShardReport) -> dict[str, Any]:
-    """The counts a reader wants first, shared by the asset and its checks."""
-    return {
-        "rows": report.rows,
-        "valid": report.valid,
-        "invalid": report.invalid,
-        "error_counts": dict(sorted(report.error_counts.items())),
-    }
+def report_counts(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
+    """The counts a reader wants first, as plain numbers (shown inline, one per error code)."""
+    counts = {"rows": report.rows or 0, "valid": report.valid or 0, "invalid": report.invalid or 0}
+    counts.update({f"invalid_{code}": report.error_counts.get(code, 0) for code in ERROR_CODES})
+    unknown = {code: n for code, n in report.error_counts.items() if code not in ERROR_CODES}
+    metadata = {name: dg.MetadataValue.int(n) for name, n in counts.items()}
+    if unknown:  # codes outside SPEC 5 (a damaged audit): shown, not dropped
+        metadata["invalid_other_codes"] = dg.MetadataValue.json(unknown)
+    return metadata
 
 
 def check_results(
@@ -135,11 +143,11 @@ def check_results(
         if result is None:
             result = verify.CheckResult(name, False, f"{report.shard}: the verifier did not run check {name!r}")
         metadata = {"shard": report.shard, "message": result.message, **result.metadata}
+        metadata.pop("invalid_examples", None)  # shown as a table instead
         if report.kind == "resized":
             metadata.update(counts)
             if name == verify.AUDIT_CONSISTENT:
-                metadata["invalid_examples"] = report.examples
-                metadata["invalid_examples_table"] = dg.MetadataValue.md(examples_markdown(report.examples))
+                metadata["invalid_examples"] = examples_table(report.examples)
         results.append(
             dg.AssetCheckResult(
                 asset_key=asset_key,
@@ -153,72 +161,26 @@ def check_results(
     return results
 
 
-# -- the dataset check -----------------------------------------------------------------------
+# -- the dataset audit ----------------------------------------------------------------------
 
 
-def first(items: Sequence[str], limit: int = LISTED_MISSING) -> list[str]:
-    return list(items[:limit])
-
-
-def summarize_dataset(dataset: DatasetConfig) -> tuple[bool, dict[str, Any], str]:
-    """(passed, metadata, description) of the dataset check.
-
-    The metadata holds counts, bytes and at most LISTED_MISSING shard names per list (the
-    check runs hourly per dataset: full lists of 100,000 shards would be megabytes of event
-    log each time). `sidecar-ops verify-crop-bbox --report FILE` writes the full lists.
-    """
-    main_sizes = dataset.main.shard_sizes()  # listed once: also needed for unusable keys below
-    locations = {name: dataset.output(output) for name, output in DATASET_CHECK_OUTPUTS.items()}
-    full = dataset_summary(dataset.main, locations, main_sizes=main_sizes)
-    main_shards = full["main"]["shards"]
-    metadata: dict[str, Any] = {"main_shards": main_shards, "main_bytes": full["main"]["total_bytes"]}
-    summary: dict[str, Any] = {"main": full["main"], "outputs": {}, "listed_at_most": LISTED_MISSING}
-    problems = []
-    for name, part in full["outputs"].items():
-        missing, extra = part["missing"], part["extra"]
-        summary["outputs"][name] = {**part, "missing": len(missing), "extra": len(extra)}
-        metadata[f"{name}_shards"] = part["shards"]
-        metadata[f"{name}_bytes"] = part["total_bytes"]
-        metadata[f"{name}_missing"] = len(missing)
-        metadata[f"{name}_extra"] = len(extra)
-        if missing:
-            metadata[f"{name}_missing_shards"] = first(missing)
-            problems.append(f"{name}: {len(missing)} of {main_shards} shards missing")
-        if extra:
-            metadata[f"{name}_extra_shards"] = first(extra)
-            problems.append(f"{name}: {len(extra)} shards with no main shard")
-    unusable = [rel for rel in main_sizes if partition_key_problem(rel)]
-    if unusable:
-        metadata["unpartitionable"] = len(unusable)
-        metadata["unpartitionable_shards"] = first(unusable)
-        problems.append(f"{len(unusable)} main shards cannot be partition keys (see the discovery sensor's log)")
-    metadata["summary"] = summary
-    passed = main_shards > 0 and not problems
-    if main_shards == 0:
-        problems.insert(0, f"no shards under {dataset.main.uri}")
-    description = "; ".join(problems) if problems else f"all {main_shards} shards present in 512, 1024 and crop_bbox"
-    return passed, metadata, description
-
-
-def dataset_check(dataset: DatasetConfig) -> dg.AssetChecksDefinition:
-    keys = DatasetKeys(dataset.name)
-
-    @dg.asset_check(
-        asset=keys.main,
-        name=DATASET_CHECK_NAME,
+def dataset_audit_check_spec(keys: DatasetKeys) -> dg.AssetCheckSpec:
+    return dg.AssetCheckSpec(
+        DATASET_AUDIT_CHECK,
+        asset=keys.audit,
         description=(
-            "Shard counts and total bytes of main, 512, 1024 and the crop sidecar (what `aws s3 ls --recursive "
-            "--summarize` shows), and which shards each output is missing. WARN when anything is missing."
+            "The dataset audit (defs/audit.py): fails when a shard's latest blocking check failed or a finished "
+            "shard lacks its crop_bbox; warns while work is under way or shards were never built or verified."
         ),
-        blocking=False,
     )
-    def _dataset_summary() -> dg.AssetCheckResult:
-        passed, metadata, description = summarize_dataset(dataset)
-        return dg.AssetCheckResult(
-            passed=passed,
-            severity=dg.AssetCheckSeverity.WARN,
-            description=description,
-            metadata=to_metadata(metadata),
-        )
 
-    return _dataset_summary
+
+def audit_check_result(keys: DatasetKeys, audit) -> dg.AssetCheckResult:
+    return dg.AssetCheckResult(
+        asset_key=keys.audit,
+        check_name=DATASET_AUDIT_CHECK,
+        passed=audit.passed,
+        severity=dg.AssetCheckSeverity.ERROR if audit.error else dg.AssetCheckSeverity.WARN,
+        description=audit.description()[:4000],
+        metadata=audit.metadata(),
+    )

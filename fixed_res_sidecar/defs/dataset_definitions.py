@@ -1,8 +1,8 @@
 """The Dagster definitions of the datasets of a datasets file (`definitions.py` loads them).
 
 Per dataset (see `dataset_definitions`): its assets and checks, one shard job (what the
-discovery sensor requests and what a UI backfill of the job runs, one run per shard), a
-dataset-check job and its schedule, the discovery sensor and the automation sensor.
+discovery sensor requests and what a UI backfill of the job runs, one run per shard), the
+audit job and its hourly schedule, the discovery sensor and the automation sensor.
 Everything runs in process: shard steps are few and sequential, and on small machines the
 multiprocess executor costs seconds per step.
 """
@@ -10,7 +10,6 @@ multiprocess executor costs seconds per step.
 import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
-from fixed_res_sidecar.defs.checks import dataset_check
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
@@ -18,7 +17,7 @@ from fixed_res_sidecar.defs.resources import default_resources
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.defs.sensors import automation_sensor, discovery_sensor
 
-DATASET_CHECK_CRON = "0 * * * *"  # hourly; the check lists three prefixes, cheap next to the shards
+AUDIT_CRON = "0 * * * *"  # hourly; the audit reads only the events recorded since its last run
 
 
 def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:
@@ -42,24 +41,23 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
             "Backfill it from the UI to build many shards."
         ),
     )
-    check_job = dg.define_asset_job(
-        keys.dataset_check_job,
-        selection=dg.AssetSelection.checks(keys.dataset_check),
+    audit_job = dg.define_asset_job(
+        keys.audit_job,
+        selection=dg.AssetSelection.assets(keys.audit),
         executor_def=dg.in_process_executor,
         tags=dataset_run_tags(dataset),
-        description=f"Shard counts and bytes of {dataset.name}'s main, 512, 1024 and crop_bbox datasets.",
+        description=f"The dataset audit of {dataset.name}: totals, failed shards, missing crop_bbox shards.",
     )
-    check_schedule = dg.ScheduleDefinition(
-        name=f"{dataset.name}__dataset_check_hourly",
-        job=check_job,
-        cron_schedule=DATASET_CHECK_CRON,
+    audit_schedule = dg.ScheduleDefinition(
+        name=f"{dataset.name}__audit_hourly",
+        job=audit_job,
+        cron_schedule=AUDIT_CRON,
         default_status=dg.DefaultScheduleStatus.RUNNING,
     )
     return dg.Definitions(
         assets=dataset_assets(dataset, partitions),
-        asset_checks=[dataset_check(dataset)],
-        jobs=[shard_job, check_job],
-        schedules=[check_schedule],
+        jobs=[shard_job, audit_job],
+        schedules=[audit_schedule],
         sensors=[discovery_sensor(dataset), automation_sensor(dataset)],
     )
 

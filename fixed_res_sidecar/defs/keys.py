@@ -56,10 +56,6 @@ class DatasetKeys:
         return f"{self.dataset}__shard"
 
     @property
-    def dataset_check_job(self) -> str:
-        return f"{self.dataset}__dataset_check"
-
-    @property
     def discovery_sensor(self) -> str:
         return f"{self.dataset}__discover_shards"
 
@@ -72,8 +68,21 @@ class DatasetKeys:
         return f"{self.dataset}__resized"
 
     @property
-    def dataset_check(self) -> dg.AssetCheckKey:
-        return dg.AssetCheckKey(self.main, "dataset_summary")
+    def crop_bbox_op(self) -> str:
+        return f"{self.dataset}__crop_bbox"
+
+    @cached_property
+    def audit(self) -> dg.AssetKey:
+        """The dataset audit: an unpartitioned asset whose materializations hold the dataset's totals."""
+        return self.asset("audit")
+
+    @property
+    def audit_job(self) -> str:
+        return f"{self.dataset}__dataset_audit"
+
+    @property
+    def dataset_audit(self) -> dg.AssetCheckKey:
+        return dg.AssetCheckKey(self.audit, "dataset_audit")
 
 
 def _known(resolution: str) -> str:

@@ -2,7 +2,8 @@
 
 Discovery (`<dataset>__discover_shards`, on the dataset's interval) lists the main prefix
 page by page, adds only shards that are not partitions yet (in chunks of at most 10k keys),
-records an observation of each new shard on `<dataset>/main` (row count, bytes), and
+records each new shard on `<dataset>/main` as a runless materialization (row count, bytes: the
+UI then shows main's shards as present, and automation sees them as updated), and
 requests one shard run per new shard. At most `sensor.max_new_shards_per_tick` new shards are
 taken per tick; the cursor remembers where the listing stopped, so the next tick continues
 there, and a listing that reached the end starts over (new shards can appear anywhere in key
@@ -125,12 +126,12 @@ def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[s
         return dict(pool.map(observe, rels))
 
 
-def main_observations(
+def main_materializations(
     keys: DatasetKeys, main: Location, rels: list[str], threads: int = 16
-) -> list[dg.AssetObservation]:
-    """The observations of new shards on `<dataset>/main`, one per partition."""
+) -> list[dg.AssetMaterialization]:
+    """New shards of `<dataset>/main` as runless materializations (main is external), one per partition."""
     return [
-        dg.AssetObservation(asset_key=keys.main, partition=rel, metadata=metadata)
+        dg.AssetMaterialization(asset_key=keys.main, partition=rel, metadata=metadata)
         for rel, metadata in observe_shards(main, rels, threads).items()
     ]
 
@@ -174,7 +175,7 @@ def discovery_tick(
     return dg.SensorResult(
         run_requests=[shard_run_request(dataset, rel) for rel in found.new],
         dynamic_partitions_requests=add_requests(shard_partitions(keys), found.new),
-        asset_events=main_observations(keys, dataset.main, found.new, observe_threads),
+        asset_events=main_materializations(keys, dataset.main, found.new, observe_threads),
         cursor=found.cursor.to_json(),
     )
 
@@ -192,7 +193,7 @@ def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
         default_status=status,
         description=(
             f"Lists {dataset.main.uri} every {dataset.sensor.interval_seconds} s, adds new shards as partitions "
-            f"of {keys.partitions}, observes them on {keys.main.to_user_string()} and requests a shard run for each."
+            f"of {keys.partitions}, records them on {keys.main.to_user_string()} and requests a shard run for each."
         ),
     )
     def _discover(context: dg.SensorEvaluationContext, sidecar: SidecarRuntime) -> dg.SensorResult:

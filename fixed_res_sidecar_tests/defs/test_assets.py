@@ -6,6 +6,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
@@ -85,14 +86,19 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
 
     resized = metadata_of(result, KEYS.resized("1024"))
     assert (resized["status"], resized["valid"], resized["invalid"]) == ("built", TINY_ROWS - 1, 1)
-    assert sum(resized["error_counts"].values()) == 1 and resized["dagster/row_count"] == TINY_ROWS
-    (code,) = resized["error_counts"]
+    assert resized["dagster/row_count"] == TINY_ROWS
+    (code,) = [code for code in ERROR_CODES if resized[f"invalid_{code}"]]
+    assert resized[f"invalid_{code}"] == 1
     audit = next(
         e for e in evaluations if e.asset_key == KEYS.verify("1024") and e.check_name == verify.AUDIT_CONSISTENT
     )
-    assert audit.metadata["error_counts"].value == {code: 1}
-    assert audit.metadata["invalid_examples"].value[0]["error"] == code
-    assert code in audit.metadata["invalid_examples_table"].value
+    # Counts are plain numbers, one per error code (shown inline); examples are a table.
+    assert audit.metadata[f"invalid_{code}"].value == 1 and audit.metadata["invalid"].value == 1
+    assert all(audit.metadata[f"invalid_{other}"].value == 0 for other in ERROR_CODES if other != code)
+    (example,) = audit.metadata["invalid_examples"].records
+    assert example.data["error"] == code
+    verified = metadata_of(result, KEYS.verify("1024"))
+    assert verified[f"invalid_{code}"] == 1 and verified["valid"] == TINY_ROWS - 1
     crop = metadata_of(result, KEYS.crop_bbox)
     assert crop["passed"] and "data:image/png;base64," in crop["overlays"]
 
@@ -144,6 +150,15 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     assert not materialized(result)
 
 
+def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
+    """The reason a crop_bbox run refused shard `rel`: nothing materialised, an observation says why."""
+    assert result.success and KEYS.crop_bbox not in materialized(result)
+    (observation,) = [e.asset_observation_data.asset_observation for e in result.get_asset_observation_events()]
+    assert observation.asset_key == KEYS.crop_bbox and observation.partition == rel
+    assert observation.metadata["gate"].value == "refused: nothing built"
+    return observation.description
+
+
 @pytest.mark.filterwarnings("ignore::dagster.BetaWarning")  # raised inside Dagster's own evaluator
 def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
@@ -188,11 +203,12 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance, cursor=automation.cursor)
     assert automation.get_requested_partitions(KEYS.crop_bbox) == set() and automation.total_requested == 0
     alone = run_shard(tiny_defs, instance, "tiny__shard", bad, selection=[KEYS.crop_bbox])
-    assert not alone.success
-    failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE")
-    message = failure.event_specific_data.error.to_string()
+    message = refusal(alone, bad)
     assert "gated on the verifiers" in message and "tiny/verify_512:keys_match failed" in message
     assert not dataset.output("crop_bbox").exists(bad)
+    # The sidecar's checks are not claimed failed: they did not run on anything new.
+    crop_checks = [dg.AssetCheckKey(KEYS.crop_bbox, name) for name in verify.CROP_BBOX_CHECKS]
+    assert "FAILED" not in check_partition_status(instance, crop_checks, [bad]).values()
 
 
 def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
@@ -210,9 +226,7 @@ def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverifi
     assert set(statuses.values()) == {"SUCCEEDED"}
 
     alone = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
-    assert not alone.success and KEYS.crop_bbox not in materialized(alone)
-    failure = next(e for e in alone.all_events if e.event_type_value == "STEP_FAILURE")
-    message = failure.event_specific_data.error.to_string()
+    message = refusal(alone, rel)
     assert "gated on the verifiers" in message
     assert "tiny/resized_512 was materialised again" in message and "after tiny/verify_512 last verified it" in message
     assert "tiny/resized_1024" not in message  # 1024 is still verified

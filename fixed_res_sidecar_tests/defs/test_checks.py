@@ -1,25 +1,10 @@
-"""Verifier reports as Dagster check results, and the dataset-level check."""
-
-import json
-from collections import Counter
+"""Verifier reports as Dagster check results."""
 
 import dagster as dg
 
-from fixed_res_sidecar.defs.checks import (
-    DATASET_CHECK_NAME,
-    LISTED_MISSING,
-    check_results,
-    examples_markdown,
-    metadata_value,
-    summarize_dataset,
-    to_metadata,
-)
-from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import DatasetKeys
-from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.defs.checks import check_results, examples_table, metadata_value
 from fixed_res_sidecar.shards import verify
-from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
-from fixed_res_sidecar_tests.defs.conftest import QUIET, dataset_entry, make_config
 
 KEY = dg.AssetKey(["ds", "verify_512"])
 
@@ -63,13 +48,14 @@ def test_one_result_per_spec7_item_with_counts_and_examples():
     # A check the verifier did not report fails rather than passing silently.
     missing = results[verify.SAMPLE_IMAGES]
     assert not missing.passed and "did not run check 'sample_images'" in missing.description
-    # Counts per error code on every resized check; invalid examples on the audit check.
+    # Counts as plain numbers, one per error code, on every resized check; examples as a table.
     for result in results.values():
-        assert result.metadata["error_counts"].value == {"decode_error": 1, "too_small": 1}
+        counts = {code: result.metadata[f"invalid_{code}"].value for code in ERROR_CODES}
+        assert counts == {code: {"decode_error": 1, "too_small": 1}.get(code, 0) for code in ERROR_CODES}
         assert (result.metadata["valid"].value, result.metadata["invalid"].value) == (8, 2)
     audit = results[verify.AUDIT_CONSISTENT].metadata
-    assert [e["key"] for e in audit["invalid_examples"].value] == ["k3", "k7"]
-    assert "cannot identify \\| image" in audit["invalid_examples_table"].value
+    assert [r.data["key"] for r in audit["invalid_examples"].records] == ["k3", "k7"]
+    assert audit["invalid_examples"].records[0].data["detail"] == "cannot identify | image"
 
 
 def test_metadata_values_keep_their_types():
@@ -82,100 +68,8 @@ def test_metadata_values_keep_their_types():
 
 
 def test_examples_table():
-    assert examples_markdown([]) == "_no invalid rows_"
-    table = examples_markdown([{"row": 1, "key": "k", "error": "decode_error", "detail": "a\nb"}])
-    assert table.splitlines()[-1] == "| 1 | `k` | decode_error | a b |"
-
-
-def test_dataset_check_counts_shards_and_bytes_and_lists_missing(sample_build, tmp_path):
-    main, outputs = sample_build  # main and its 512/1024 builds, no crop sidecar yet
-    config = make_config(dataset_entry("sample", main, tmp_path / "out"))
-    dataset = config.datasets[0]
-    assert dataset.output("resized_512") == outputs[0].location
-
-    passed, metadata, description = summarize_dataset(dataset)
-    shards = main.list_shards()
-    assert not passed and f"crop_bbox: {len(shards)} of {len(shards)} shards missing" in description
-    assert metadata["main_shards"] == metadata["512_shards"] == metadata["1024_shards"] == len(shards)
-    assert metadata["main_bytes"] == sum(main.size(rel) for rel in shards)
-    assert metadata["1024_bytes"] == sum(outputs[1].location.size(rel) for rel in shards)
-    assert metadata["crop_bbox_missing_shards"] == shards
-
-    # Through Dagster: the dataset check job, on an instance; WARN, not blocking.
-    defs = build_definitions(config)
-    with dg.instance_for_test() as instance:
-        result = defs.resolve_job_def("sample__dataset_check").execute_in_process(instance=instance, run_config=QUIET)
-        (evaluation,) = result.get_asset_check_evaluations()
-        assert evaluation.asset_check_key == dg.AssetCheckKey(DatasetKeys("sample").main, DATASET_CHECK_NAME)
-        assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
-        assert evaluation.metadata["512_shards"].value == len(shards)
-
-        for rel in shards:
-            build_crop_bbox_shard(dataset.layout, rel)
-        result = defs.resolve_job_def("sample__dataset_check").execute_in_process(instance=instance, run_config=QUIET)
-        (evaluation,) = result.get_asset_check_evaluations()
-        assert (
-            evaluation.passed
-            and evaluation.description == f"all {len(shards)} shards present in 512, 1024 and crop_bbox"
-        )
-
-    # A missing output shard and a main shard that cannot be a partition are both reported.
-    outputs[0].location.write_bytes("x,y.parquet", b"")  # an output with no main shard
-    main.write_bytes("x,y.parquet", b"")
-    (tmp_path / "out" / "0_262mp_version_all_in_one" / "sample" / shards[0]).unlink()
-    passed, metadata, description = summarize_dataset(dataset)
-    assert not passed
-    assert metadata["512_missing_shards"] == [shards[0]]
-    assert metadata["unpartitionable_shards"] == ["x,y.parquet"]
-    assert "cannot be partition keys" in description
-
-
-def test_empty_main_fails_the_dataset_check(tmp_path):
-    dataset = make_config(dataset_entry("empty", tmp_path / "main", tmp_path / "out")).datasets[0]
-    passed, metadata, description = summarize_dataset(dataset)
-    assert not passed and metadata["main_shards"] == 0 and description.startswith("no shards under")
-
-
-def test_dataset_check_metadata_stays_small_and_lists_main_once(tmp_path, monkeypatch):
-    """At 100,000 shards the hourly check must not store 100,000 names: counts plus the first few."""
-    main = Location.parse(tmp_path / "main")
-    rels = [f"d{i // 100:02d}/part-{i:05d}.parquet" for i in range(LISTED_MISSING * 3)]
-    for rel in rels:
-        main.write_bytes(rel, b"x")
-    dataset = make_config(dataset_entry("big", main, tmp_path / "out")).datasets[0]
-    built = dataset.output("resized_512")
-    for rel in rels[:10]:
-        built.write_bytes(rel, b"yy")
-    built.write_bytes("orphan.parquet", b"z")
-
-    listed = Counter()
-    real = Location.shard_sizes
-
-    def counting(self, *args, **kwargs):
-        listed[self.uri] += 1
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Location, "shard_sizes", counting)
-    passed, metadata, description = summarize_dataset(dataset)
-    assert listed[main.uri] == 1 and set(listed.values()) == {1} and len(listed) == 4
-
-    assert not passed and f"512: {len(rels) - 10} of {len(rels)} shards missing" in description
-    assert (metadata["512_missing"], metadata["512_extra"], metadata["crop_bbox_missing"]) == (
-        len(rels) - 10,
-        1,
-        len(rels),
-    )
-    assert metadata["512_missing_shards"] == rels[10 : 10 + LISTED_MISSING]
-    assert metadata["crop_bbox_missing_shards"] == rels[:LISTED_MISSING]
-    assert metadata["512_extra_shards"] == ["orphan.parquet"]
-    assert (metadata["main_shards"], metadata["main_bytes"], metadata["512_bytes"]) == (len(rels), len(rels), 21)
-    assert metadata["summary"]["outputs"]["1024"] == {
-        "location": dataset.output("resized_1024").uri,
-        "shards": 0,
-        "total_bytes": 0,
-        "missing": len(rels),
-        "extra": 0,
-    }
-    # No list in the stored metadata is longer than LISTED_MISSING; the last shards are named nowhere.
-    stored = json.dumps({k: v.value for k, v in to_metadata(metadata).items()})
-    assert rels[-1] not in stored
+    assert examples_table([]).records == []
+    table = examples_table([{"row": 1, "key": b"k", "error": "decode_error", "detail": "x" * 1000}])
+    (record,) = table.records
+    assert record.data == {"row": 1, "key": "b'k'", "error": "decode_error", "detail": "x" * 300}
+    assert [c.name for c in table.schema.columns] == ["row", "key", "error", "detail"]

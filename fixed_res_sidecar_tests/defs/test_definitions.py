@@ -56,6 +56,7 @@ def test_repo_definitions_load_and_validate(monkeypatch):
         "sample/verify_512",
         "sample/verify_1024",
         "sample/crop_bbox",
+        "sample/audit",
     }
     job = defs.resolve_job_def(keys.shard_job)
     assert job.partitions_def.name == "sample_shards"
@@ -63,7 +64,7 @@ def test_repo_definitions_load_and_validate(monkeypatch):
     assert job.run_tags[DATASET_TAG] == "sample"
     assert defs.resolve_sensor_def(keys.discovery_sensor).default_status == dg.DefaultSensorStatus.RUNNING
     assert defs.resolve_sensor_def(keys.automation_sensor).default_status == dg.DefaultSensorStatus.RUNNING
-    assert defs.resolve_schedule_def("sample__dataset_check_hourly").cron_schedule == "0 * * * *"
+    assert defs.resolve_schedule_def("sample__audit_hourly").cron_schedule == "0 * * * *"
 
 
 def test_dagster_cli_validates_the_workspace(tmp_path):
@@ -106,9 +107,10 @@ def test_two_datasets_stay_separate(tmp_path):
     laion, coco = DatasetKeys("laion"), DatasetKeys("coco")
     for keys in (laion, coco):
         own = [k for k in graph.get_all_asset_keys() if k.path[0] == keys.dataset]
-        assert len(own) == 6
+        assert len(own) == 7
         assert {graph.get(k).group_name for k in own} == {keys.dataset}
-        assert {graph.get(k).partitions_def.name for k in own} == {keys.partitions}
+        partitioned = [k for k in own if k != keys.audit]  # the audit is one asset per dataset
+        assert {graph.get(k).partitions_def.name for k in partitioned} == {keys.partitions}
         # No edge crosses datasets.
         for key in own:
             assert all(parent.path[0] == keys.dataset for parent in graph.get(key).parent_keys)

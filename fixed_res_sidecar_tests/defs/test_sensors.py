@@ -77,8 +77,8 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
     assert [k for r in third.dynamic_partitions_requests for k in r.partition_keys] == ["nested/y/part-c.parquet"]
     apply_sensor_result(instance, third)
     assert len(instance.get_dynamic_partitions("tiny_shards")) == 3
-    # Recorded observations on main are per partition.
-    records = instance.fetch_observations(
+    # main's shards are recorded as runless materializations, per partition.
+    records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=keys.main, asset_partitions=["nested/y/part-c.parquet"]), limit=5
     ).records
     assert len(records) == 1

@@ -1,0 +1,324 @@
+"""The dataset audit: one dataset's state at a glance, from what the Dagster instance already knows.
+
+It reads the event log, never the data: the materializations of `main`, both resized outputs,
+both verifiers and `crop_bbox` (rows, bytes, valid and invalid counts per error code are in
+their metadata), and the latest result of every per-shard check. It reads incrementally: what
+was read before is kept, per shard, in the instance's key-value store with a cursor per asset
+and one for the checks, so each run reads only the events recorded since the last one (the
+first run reads everything once). Its verdict:
+
+- ERROR when a shard's latest blocking check failed (a verifier's or the sidecar's), or when a
+  finished shard (both verifiers passed on its current build) has no crop_bbox, or one older than
+  its latest passed verification, and nothing of the dataset is still running;
+- WARN while work is under way (runs or backfills of the dataset unfinished) or shards were never
+  built or verified;
+- passed otherwise.
+"""
+
+import base64
+import json
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
+
+STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
+PAGE = 10_000  # event records read at a time
+LISTED = 20  # shards named per problem in the audit's text and tables
+UNFINISHED_RUNS = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+@dataclass
+class AuditState:
+    """What the audit has read so far: per asset and for the checks, how far; per shard, what it found."""
+
+    cursors: dict[str, int] = field(default_factory=dict)  # asset key or "checks" -> last storage id read
+    # rel -> {"main": [rows, bytes], "<res>": bytes, "verify_<res>": [storage id, valid, invalid, {code: n}],
+    #         "crop": storage id, "checks": {check key text: status}}
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        raw = json.dumps({"cursors": self.cursors, "shards": self.shards}, separators=(",", ":"))
+        return base64.b64encode(zlib.compress(raw.encode(), 6)).decode("ascii")
+
+    @classmethod
+    def decode(cls, text: str | None) -> "AuditState":
+        if not text:
+            return cls()
+        try:
+            data = json.loads(zlib.decompress(base64.b64decode(text)))
+            return cls(dict(data["cursors"]), dict(data["shards"]))
+        except (ValueError, KeyError, TypeError, zlib.error):
+            return cls()  # unreadable: read everything again
+
+
+def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
+    key = STATE_KEY.format(dataset=dataset)
+    return AuditState.decode(instance.run_storage.get_cursor_values({key}).get(key))
+
+
+def save_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
+    instance.run_storage.set_cursor_values({STATE_KEY.format(dataset=dataset): state.encode()})
+
+
+def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState) -> int:
+    """Read the events recorded since the state's cursors into it; returns how many were read."""
+    read = 0
+    for slot, key in _materialized_assets(keys).items():
+        for record in _new_materializations(instance, key, state.cursors.get(key.to_user_string(), 0)):
+            state.cursors[key.to_user_string()] = record.storage_id
+            if record.partition_key is None:
+                continue
+            read += 1
+            shard = state.shards.setdefault(record.partition_key, {})
+            metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
+            if slot == "main":
+                shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
+            elif slot in RESOLUTIONS:
+                shard[slot] = _int(metadata.get("bytes"))
+            elif slot == "crop":
+                shard["crop"] = record.storage_id
+            else:  # a verifier
+                errors = {code: _int(metadata.get(f"invalid_{code}")) for code in ERROR_CODES}
+                shard[slot] = [
+                    record.storage_id,
+                    _int(metadata.get("valid")),
+                    _int(metadata.get("invalid")),
+                    {code: n for code, n in errors.items() if n},
+                ]
+    after = state.cursors.get("checks", 0)
+    infos = instance.event_log_storage.get_asset_check_partition_info(_check_keys(keys), after_storage_id=after)
+    for info in infos:
+        if info.partition_key is None:
+            continue
+        read += 1
+        checks = state.shards.setdefault(info.partition_key, {}).setdefault("checks", {})
+        checks[info.check_key.to_user_string()] = info.latest_execution_status.value
+        state.cursors["checks"] = max(state.cursors.get("checks", 0), info.latest_check_event_storage_id)
+    return read
+
+
+def _materialized_assets(keys: DatasetKeys) -> dict[str, dg.AssetKey]:
+    return {
+        "main": keys.main,
+        **{resolution: keys.resized(resolution) for resolution in RESOLUTIONS},
+        **{f"verify_{resolution}": keys.verify(resolution) for resolution in RESOLUTIONS},
+        "crop": keys.crop_bbox,
+    }
+
+
+def _check_keys(keys: DatasetKeys) -> list[dg.AssetCheckKey]:
+    verify = [dg.AssetCheckKey(keys.verify(r), name) for r in RESOLUTIONS for name in RESIZED_CHECKS]
+    return verify + [dg.AssetCheckKey(keys.crop_bbox, name) for name in CROP_BBOX_CHECKS]
+
+
+def _new_materializations(instance: dg.DagsterInstance, key: dg.AssetKey, after: int):
+    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after)
+    cursor = None
+    while True:
+        page = instance.fetch_materializations(records_filter, limit=PAGE, cursor=cursor, ascending=True)
+        yield from page.records
+        if not page.has_more:
+            return
+        cursor = page.cursor
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+# -- the verdict -----------------------------------------------------------------------------
+
+
+@dataclass
+class DatasetAudit:
+    """The audit's findings over the dataset's current shards (its partitions)."""
+
+    dataset: str
+    shards: int = 0
+    main_rows: int = 0
+    main_bytes: int = 0
+    built: dict[str, int] = field(default_factory=dict)  # resolution -> shards built
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    valid: dict[str, int] = field(default_factory=dict)
+    invalid: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, Counter] = field(default_factory=dict)  # resolution -> error code -> rows
+    verified: dict[str, int] = field(default_factory=dict)  # resolution -> shards whose checks all passed
+    failed: dict[str, list[str]] = field(default_factory=dict)  # check key text -> shards whose latest result failed
+    not_verified: dict[str, list[str]] = field(default_factory=dict)  # resolution -> shards never verified
+    crop_built: int = 0
+    crop_missing: list[str] = field(default_factory=list)  # finished shards without a crop_bbox
+    crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
+    under_way: str | None = None  # what is still running, if anything
+
+    @property
+    def failed_shards(self) -> list[str]:
+        return sorted({rel for shards in self.failed.values() for rel in shards})
+
+    @property
+    def error(self) -> bool:
+        finished_without_crop = (self.crop_missing or self.crop_stale) and self.under_way is None
+        return bool(self.failed_shards or finished_without_crop)
+
+    @property
+    def passed(self) -> bool:
+        incomplete = any(self.not_verified.get(r) for r in RESOLUTIONS) or self.crop_missing or self.crop_stale
+        return not self.error and not incomplete and self.under_way is None and self.shards > 0
+
+    def description(self) -> str:
+        if self.shards == 0:
+            return f"{self.dataset}: no shards yet (the discovery sensor adds them as partitions)"
+        parts = []
+        for check, shards in sorted(self.failed.items()):
+            parts.append(f"{check} FAILED on {len(shards)} shard(s): {_names(shards)}")
+        if self.crop_missing:
+            parts.append(f"{len(self.crop_missing)} verified shard(s) without crop_bbox: {_names(self.crop_missing)}")
+        if self.crop_stale:
+            parts.append(
+                f"{len(self.crop_stale)} shard(s) whose crop_bbox is older than their latest verification: "
+                f"{_names(self.crop_stale)}"
+            )
+        for resolution in RESOLUTIONS:
+            waiting = self.not_verified.get(resolution, [])
+            if waiting:
+                parts.append(f"{len(waiting)} shard(s) not verified at {resolution} yet: {_names(waiting)}")
+        if self.under_way:
+            parts.append(f"under way: {self.under_way}")
+        verdict = "FAILED" if self.error else "passed" if self.passed else "incomplete"
+        totals = "; ".join(f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTIONS)
+        head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_built} with crop_bbox; {totals}"
+        return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")
+
+    def metadata(self) -> dict[str, dg.MetadataValue]:
+        """Counts as plain numbers (shown inline, plotted across materializations), then the lists."""
+        numbers: dict[str, int] = {
+            "shards": self.shards,
+            "main_rows": self.main_rows,
+            "main_bytes": self.main_bytes,
+            "crop_bbox_shards": self.crop_built,
+            "failed_shards": len(self.failed_shards),
+            "crop_bbox_missing": len(self.crop_missing),
+            "crop_bbox_stale": len(self.crop_stale),
+        }
+        for r in RESOLUTIONS:
+            numbers[f"{r}_shards"] = self.built.get(r, 0)
+            numbers[f"{r}_bytes"] = self.output_bytes.get(r, 0)
+            numbers[f"{r}_verified_shards"] = self.verified.get(r, 0)
+            numbers[f"{r}_not_verified_shards"] = len(self.not_verified.get(r, []))
+            numbers[f"{r}_valid_rows"] = self.valid.get(r, 0)
+            numbers[f"{r}_invalid_rows"] = self.invalid.get(r, 0)
+            for code in ERROR_CODES:
+                numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
+        metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
+        rows = [
+            dg.TableRecord({"shard": rel, "problem": f"{check} failed"})
+            for check, shards in sorted(self.failed.items())
+            for rel in shards[:LISTED]
+        ]
+        rows += [
+            dg.TableRecord({"shard": rel, "problem": "verified, no crop_bbox"}) for rel in self.crop_missing[:LISTED]
+        ]
+        rows += [
+            dg.TableRecord({"shard": rel, "problem": "crop_bbox older than its verification"})
+            for rel in self.crop_stale[:LISTED]
+        ]
+        schema = dg.TableSchema(columns=[dg.TableColumn("shard", "string"), dg.TableColumn("problem", "string")])
+        metadata["problem_shards"] = dg.MetadataValue.table(rows, schema=schema)
+        metadata["under_way"] = dg.MetadataValue.text(self.under_way or "nothing")
+        return metadata
+
+
+def evaluate(
+    instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, own_run_id: str | None = None
+) -> DatasetAudit:
+    """The audit over the current partitions (a shard removed from the partitions is not counted)."""
+    audit = DatasetAudit(keys.dataset)
+    partitions = instance.get_dynamic_partitions(keys.partitions)
+    audit.shards = len(partitions)
+    for resolution in RESOLUTIONS:
+        audit.built[resolution] = audit.output_bytes[resolution] = audit.verified[resolution] = 0
+        audit.valid[resolution] = audit.invalid[resolution] = 0
+        audit.errors[resolution] = Counter()
+        audit.not_verified[resolution] = []
+    verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
+    for rel in partitions:
+        shard = state.shards.get(rel, {})
+        rows, size = shard.get("main", [0, 0])
+        audit.main_rows += rows
+        audit.main_bytes += size
+        checks = shard.get("checks", {})
+        for name, status in checks.items():
+            if status == "FAILED":
+                audit.failed.setdefault(name, []).append(rel)
+        passed_at = []
+        for resolution in RESOLUTIONS:
+            if resolution in shard:
+                audit.built[resolution] += 1
+                audit.output_bytes[resolution] += shard[resolution]
+            verification = shard.get(f"verify_{resolution}")
+            if verification is not None:
+                storage_id, valid, invalid, errors = verification
+                audit.valid[resolution] += valid
+                audit.invalid[resolution] += invalid
+                audit.errors[resolution].update(errors)
+            if all(checks.get(name) == "SUCCEEDED" for name in verify_checks[resolution]) and verification:
+                audit.verified[resolution] += 1
+                passed_at.append(verification[0])
+            elif not any(checks.get(name) == "FAILED" for name in verify_checks[resolution]):
+                audit.not_verified[resolution].append(rel)
+        if "crop" in shard:
+            audit.crop_built += 1
+        if len(passed_at) == len(RESOLUTIONS):
+            if "crop" not in shard:
+                audit.crop_missing.append(rel)
+            elif shard["crop"] < max(passed_at):
+                audit.crop_stale.append(rel)
+    audit.under_way = _under_way(instance, keys, own_run_id)
+    return audit
+
+
+def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None) -> str | None:
+    """What of the dataset is still running: unfinished runs (by the dataset tag, the audit's own run
+    aside) or backfills."""
+    filters = dg.RunsFilter(statuses=UNFINISHED_RUNS, tags={DATASET_TAG: keys.dataset})
+    runs = len([run_id for run_id in instance.get_run_ids(filters, limit=1000) if run_id != own_run_id])
+    from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
+
+    backfills = [
+        backfill
+        for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED]))
+        if _targets(backfill, keys)
+    ]
+    if not runs and not backfills:
+        return None
+    return f"{runs} run(s) queued or running, {len(backfills)} backfill(s) in progress"
+
+
+def _targets(backfill, keys: DatasetKeys) -> bool:
+    if backfill.asset_selection:
+        return any(key.path[0] == keys.dataset for key in backfill.asset_selection)
+    return backfill.tags.get(DATASET_TAG) == keys.dataset or (backfill.job_name or "").startswith(f"{keys.dataset}__")
+
+
+def _names(shards: list[str]) -> str:
+    shown = ", ".join(shards[:LISTED])
+    return shown + (f", ... ({len(shards) - LISTED} more)" if len(shards) > LISTED else "")
+
+
+def audit_dataset(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None = None) -> DatasetAudit:
+    """Bring the dataset's audit state up to date and evaluate it (from the run `own_run_id`)."""
+    state = load_state(instance, keys.dataset)
+    update_state(instance, keys, state)
+    save_state(instance, keys.dataset, state)
+    return evaluate(instance, keys, state, own_run_id)
