@@ -268,7 +268,7 @@ def evaluate(
                 audit.output_bytes[resolution] += shard[resolution]
             verification = shard.get(f"verify_{resolution}")
             if verification is not None:
-                storage_id, valid, invalid, errors = verification
+                _, valid, invalid, errors = verification
                 audit.valid[resolution] += valid
                 audit.invalid[resolution] += invalid
                 audit.errors[resolution].update(errors)
