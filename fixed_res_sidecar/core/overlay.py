@@ -1,7 +1,8 @@
 """Overlay pictures of the crop-bbox sidecar (SPEC 7): pure, encoded bytes and captions in, PNG out.
 
-Three panels side by side, all the same height: the original (shown upright, EXIF
-orientation applied) with the boxes of `structured_description`, the 512 image with the
+Three panels stacked, each PANEL_WIDTH wide (so labels stay readable where the picture is shown
+at its natural size, e.g. in the Dagster UI): the original (shown upright, EXIF orientation
+applied) with the boxes of `structured_description`, the 512 image with the
 `structured_description_crop_512` boxes, and the 1024 image with the
 `structured_description_crop_1024` boxes. Box number i has the same colour and label in
 every panel, so a reviewer can see at a glance whether a box still sits on its object.
@@ -38,9 +39,11 @@ from fixed_res_sidecar.core.orientation import (
 )
 from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
 
-PANEL_HEIGHT = 384
-TITLE_HEIGHT = 22  # title strip above each panel
-PANEL_GAP = 8  # background strip between panels
+PANEL_WIDTH = 640
+MAX_PANEL_HEIGHT = 960  # a very tall image is shown narrower instead
+TITLE_HEIGHT = 28  # title strip above each panel
+PANEL_GAP = 10  # background strip between panels
+TITLE_FONT_SIZE, LABEL_FONT_SIZE = 18, 15
 BOX_STROKE = 3
 BACKGROUND = (32, 32, 32)
 PLACEHOLDER = (96, 96, 96)
@@ -109,7 +112,7 @@ def overlay_picture(
     img_1024: bytes | None,
     crop_1024: str | None,
     *,
-    panel_height: int = PANEL_HEIGHT,
+    panel_width: int = PANEL_WIDTH,
     bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
     caption_frame: str = "oriented",
     labels: Sequence[str] = ("original", "512", "1024"),
@@ -126,27 +129,37 @@ def overlay_picture(
         raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
     limit = max_source_pixels
     panels = [
-        _original_panel(original, caption, labels[0], panel_height, bbox_keys, caption_frame == "raw", limit),
-        _resized_panel(img_512, crop_512, labels[1], panel_height, bbox_keys, limit),
-        _resized_panel(img_1024, crop_1024, labels[2], panel_height, bbox_keys, limit),
+        _original_panel(original, caption, labels[0], panel_width, bbox_keys, caption_frame == "raw", limit),
+        _resized_panel(img_512, crop_512, labels[1], panel_width, bbox_keys, limit),
+        _resized_panel(img_1024, crop_1024, labels[2], panel_width, bbox_keys, limit),
     ]
-    return _compose(panels, panel_height)
+    return _compose(panels)
 
 
-def overlay_width(panel_widths: Sequence[int]) -> int:
-    """Width of the picture for the given panel widths (the layout used by `overlay_picture`)."""
-    return sum(panel_widths) + PANEL_GAP * (len(panel_widths) - 1)
+def panel_size(width: int, height: int, panel_width: int = PANEL_WIDTH) -> tuple[int, int]:
+    """The size a `width x height` image is shown at: `panel_width` wide, at most MAX_PANEL_HEIGHT tall."""
+    scale = min(panel_width / width, MAX_PANEL_HEIGHT / height)
+    return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def panel_width(width: int, height: int, panel_height: int = PANEL_HEIGHT) -> int:
-    """Width of a `width x height` image scaled to the panel height."""
-    return max(1, round(width * panel_height / height))
+def panel_origins(sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Top-left corner of each panel's image in the picture, for panels of `sizes` (stacked)."""
+    origins, top = [], 0
+    for _, height in sizes:
+        origins.append((0, top + TITLE_HEIGHT))
+        top += TITLE_HEIGHT + height + PANEL_GAP
+    return origins
 
 
-def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame, max_source_pixels) -> _Panel:
-    image, problem = _decode(data, max_source_pixels, draft_to=panel_height)
+def picture_size(sizes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """Size of the whole picture for panels of `sizes`."""
+    return max(w for w, _ in sizes), sum(TITLE_HEIGHT + h for _, h in sizes) + PANEL_GAP * (len(sizes) - 1)
+
+
+def _original_panel(data, caption, label, panel_width, bbox_keys, raw_frame, max_source_pixels) -> _Panel:
+    image, problem = _decode(data, max_source_pixels, draft_to=panel_width)
     if image is None:
-        return _placeholder(f"{label}: {problem}", panel_height)
+        return _placeholder(f"{label}: {problem}", panel_width)
     full_size = image.info.get("full_size", image.size)  # before shrink-on-load
     orientation = read_orientation(image)  # as the resize read it
     upright = to_upright(image, orientation)
@@ -155,17 +168,17 @@ def _original_panel(data, caption, label, panel_height, bbox_keys, raw_frame, ma
     move = (lambda box: caption_box_to_oriented(box, orientation)) if raw_frame else None
     boxes, caption_problem = _panel_boxes(caption, bbox_keys, move)
     title += f", {len(boxes)} boxes" if caption_problem is None else f", caption {caption_problem}"
-    return _Panel(title, _scaled(upright, panel_height), boxes)
+    return _Panel(title, _scaled(upright, panel_width), boxes)
 
 
-def _resized_panel(data, crop_caption, label, panel_height, bbox_keys, max_source_pixels) -> _Panel:
+def _resized_panel(data, crop_caption, label, panel_width, bbox_keys, max_source_pixels) -> _Panel:
     image, problem = _decode(data, max_source_pixels)
     if image is None:
-        return _placeholder(f"{label}: {problem}", panel_height)
+        return _placeholder(f"{label}: {problem}", panel_width)
     boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys, crop_frame=True)
     title = f"{label} {image.width}x{image.height}"
     title += f", {len(boxes)} boxes" if caption_problem is None else f", crop caption {caption_problem}"
-    return _Panel(title, _scaled(image, panel_height), boxes)
+    return _Panel(title, _scaled(image, panel_width), boxes)
 
 
 def _panel_boxes(caption: str | None, bbox_keys, move=None, crop_frame: bool = False) -> tuple[list, str | None]:
@@ -193,7 +206,7 @@ def _decode(
         if too_many_pixels(*full_size, max_source_pixels):
             return None, f"not decoded, {full_size[0]}x{full_size[1]} exceeds max_source_pixels={max_source_pixels}"
         if draft_to and image.format == "JPEG":
-            # Shrink-on-load: both sides stay >= the panel height, enough in either orientation.
+            # Shrink-on-load: both sides stay >= the panel width, enough in either orientation.
             image.draft("RGB", (draft_to, draft_to))
         image.load()
         image.info["full_size"] = full_size
@@ -202,18 +215,18 @@ def _decode(
         return None, f"does not decode ({describe_exception(exc, max_chars=80)})"
 
 
-def _scaled(image: Image.Image, panel_height: int) -> Image.Image:
+def _scaled(image: Image.Image, panel_width: int) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         flat = Image.new("RGBA", rgba.size, (*PLACEHOLDER, 255))
         image = Image.alpha_composite(flat, rgba)
     image = image.convert("RGB")
-    size = (panel_width(image.width, image.height, panel_height), panel_height)
+    size = panel_size(image.width, image.height, panel_width)
     return image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
 
 
-def _placeholder(title: str, panel_height: int) -> _Panel:
-    return _Panel(title, Image.new("RGB", (panel_height, panel_height), PLACEHOLDER), [])
+def _placeholder(title: str, panel_width: int) -> _Panel:
+    return _Panel(title, Image.new("RGB", (panel_width, panel_width // 2), PLACEHOLDER), [])
 
 
 def _font(size: int) -> ImageFont.ImageFont:
@@ -223,16 +236,15 @@ def _font(size: int) -> ImageFont.ImageFont:
         return ImageFont.load_default()
 
 
-def _compose(panels: list[_Panel], panel_height: int) -> bytes:
-    width = overlay_width([p.image.width for p in panels])
-    canvas = Image.new("RGB", (width, TITLE_HEIGHT + panel_height), BACKGROUND)
+def _compose(panels: list[_Panel]) -> bytes:
+    sizes = [p.image.size for p in panels]
+    canvas = Image.new("RGB", picture_size(sizes), BACKGROUND)
     draw = ImageDraw.Draw(canvas)
-    title_font, label_font = _font(14), _font(12)
-    left = 0
-    for panel in panels:
-        canvas.paste(panel.image, (left, TITLE_HEIGHT))
-        draw.text((left + 4, 3), panel.title, fill=(240, 240, 240), font=title_font)
-        placed = [(slot, _offset(box_pixels(box, panel.image.size), left, TITLE_HEIGHT)) for slot, box in panel.boxes]
+    title_font, label_font = _font(TITLE_FONT_SIZE), _font(LABEL_FONT_SIZE)
+    for panel, (left, top) in zip(panels, panel_origins(sizes)):
+        canvas.paste(panel.image, (left, top))
+        draw.text((left + 4, top - TITLE_HEIGHT + 4), panel.title, fill=(240, 240, 240), font=title_font)
+        placed = [(slot, _offset(box_pixels(box, panel.image.size), left, top)) for slot, box in panel.boxes]
         # Every rectangle first, then every label, so no later box hides an earlier label.
         for slot, rect in placed:
             _draw_rectangle(draw, rect, _colour(slot))
@@ -242,7 +254,6 @@ def _compose(panels: list[_Panel], panel_height: int) -> bytes:
             stacked = labels_at.get(rect[:2], 0)
             labels_at[rect[:2]] = stacked + 1
             _draw_label(draw, rect, f"{slot.index} {slot.label}".strip(), _colour(slot), stacked, label_font)
-        left += panel.image.width + PANEL_GAP
     out = io.BytesIO()
     canvas.save(out, "PNG", compress_level=1)  # review pictures: fast beats small
     return out.getvalue()
@@ -284,8 +295,8 @@ def _draw_label(draw: ImageDraw.ImageDraw, rect, text: str, colour, stacked: int
     draw.text((tx + 2 - text_box[0], ty + 2 - text_box[1]), text, fill=ink, font=font)
 
 
-def thumbnail_png(picture: bytes, width: int) -> bytes:
-    """A PNG at most `width` wide of an overlay picture (for embedding in a web page), 256 colours.
+def embeddable(picture: bytes, width: int = PANEL_WIDTH) -> bytes:
+    """A WebP of an overlay picture, at most `width` wide, small enough to embed in a web page.
 
     Opened with the same guard as every untrusted image: allowed formats only, and no decode
     past the pixel limit.
@@ -300,6 +311,6 @@ def thumbnail_png(picture: bytes, width: int) -> bytes:
             height = max(1, round(image.height * width / image.width))
             image = image.resize((width, height), Image.Resampling.LANCZOS)
         out = io.BytesIO()
-        # 256 colours keep a picture near 100-200 KB; the boxes stay crisp.
-        image.quantize(256, dither=Image.Dither.NONE).save(out, "PNG", optimize=True)
+        # Quality 80 keeps a 640 px picture near 60-120 KB of event log with labels still sharp.
+        image.save(out, "WEBP", quality=80, method=4)
     return out.getvalue()

@@ -30,7 +30,7 @@ import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.overlay import thumbnail_png
+from fixed_res_sidecar.core.overlay import embeddable
 from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.checks import (
     audit_check_result,
@@ -51,10 +51,8 @@ from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.resize import build_resized_shard
 
-# Inline thumbnails cost about 60-130 KB of event log each (base64 PNG at this width); the
-# full-size PNGs stay under the reports prefix. `overlay_embed` sets how many per shard.
-OVERLAY_THUMBNAIL_WIDTH = 720
-
+# Each inline picture costs about 60-120 KB of event log (base64 WebP, 640 px wide); the full-size
+# PNGs stay under the reports prefix. `overlay_embed` sets how many per shard.
 # crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
 # or in progress, and every blocking check of its parents passed for that shard.
 CROP_BBOX_CONDITION = (
@@ -175,20 +173,23 @@ def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.Partiti
 
 
 def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
-    """Overlay pictures as markdown: inline PNG thumbnails (data URIs) and where the full ones are."""
+    """Overlay pictures as markdown: the first `limit` inline (data URIs), and a link to every full-size one."""
     lines = []
     root = location.uri.rstrip("/") + "/"
     for uri in uris[:limit]:
         rel = uri.removeprefix(root)
         try:
-            thumbnail = base64.b64encode(thumbnail_png(location.read_bytes(rel), OVERLAY_THUMBNAIL_WIDTH)).decode(
-                "ascii"
-            )
-            lines.append(f"**{rel}**\n\n![{rel}](data:image/png;base64,{thumbnail})\n")
+            picture = base64.b64encode(embeddable(location.read_bytes(rel))).decode("ascii")
+            lines.append(f"**{rel}**\n\n![{rel}](data:image/webp;base64,{picture})\n")
         except Exception as exc:  # noqa: BLE001 - a picture that cannot be shown must not fail the asset
             lines.append(f"**{rel}**: cannot be shown ({describe_exception(exc, max_chars=300)})\n")
-    lines.append("Full-size pictures:\n" + "\n".join(f"- `{uri}`" for uri in uris))
+    lines.append("Full-size pictures:\n" + "\n".join(_picture_link(location, uri.removeprefix(root)) for uri in uris))
     return "\n".join(lines)
+
+
+def _picture_link(location: Location, rel: str) -> str:
+    link = location.link(rel)
+    return f"- [{rel}]({link})" if link.startswith("https://") or link.startswith("http://") else f"- `{link}`"
 
 
 def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
@@ -264,7 +265,7 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
         }
         if overlays is not None:
             metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
-            metadata["overlays"] = dg.MetadataValue.md(_overlays(context, layout, rel, overlays, dataset))
+            metadata.update(_overlays(context, layout, rel, overlays, dataset))
         metadata["seconds"] = dg.MetadataValue.float(round(time.monotonic() - started, 3))
         yield dg.MaterializeResult(
             metadata=metadata, check_results=check_results(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS)
@@ -273,15 +274,23 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
     return _crop_bbox
 
 
-def _overlays(context, layout, rel: str, overlays: Location, dataset: DatasetConfig) -> str:
-    """Markdown of the shard's overlay pictures; pictures that cannot be drawn are a warning, not a failure."""
+def _overlays(context, layout, rel: str, overlays: Location, dataset: DatasetConfig) -> dict[str, dg.MetadataValue]:
+    """The shard's overlay pictures as metadata: inline pictures, and a link to the first full-size one.
+
+    Pictures that cannot be drawn are a warning, not a failure: the checks decide pass or fail.
+    """
     try:
         pictures = write_overlays(layout, rel, overlays, dataset.overlay_sample)
-    except Exception as exc:  # noqa: BLE001 - pictures are for people: the checks decide pass or fail
+    except Exception as exc:  # noqa: BLE001 - pictures are for people
         message = f"{rel}: overlay pictures could not be drawn: {describe_exception(exc, max_chars=300)}"
         context.log.warning(message)
-        return message
-    return overlay_markdown(overlays, pictures, dataset.overlay_embed)
+        return {"overlays": dg.MetadataValue.text(message)}
+    metadata = {"overlays": dg.MetadataValue.md(overlay_markdown(overlays, pictures, dataset.overlay_embed))}
+    if pictures:
+        link = overlays.link(pictures[0].removeprefix(overlays.uri.rstrip("/") + "/"))
+        local = not overlays.is_s3
+        metadata["overlay_full_size"] = dg.MetadataValue.path(link) if local else dg.MetadataValue.url(link)
+    return metadata
 
 
 def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:

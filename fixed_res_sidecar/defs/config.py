@@ -175,7 +175,7 @@ class DatasetConfig(_Strict):
     sensor: SensorConfig = SensorConfig()
     verify_sample: int = Field(32, ge=0)  # images decoded per shard and resolution
     overlay_sample: int = Field(3, ge=0, le=50)  # overlay pictures drawn per shard (under reports)
-    overlay_embed: int = Field(2, ge=0, le=10)  # of those, thumbnails inlined in the crop_bbox materialization
+    overlay_embed: int = Field(1, ge=0, le=10)  # of those, pictures inlined in the crop_bbox materialization
 
     @field_validator("name")
     @classmethod

@@ -185,6 +185,14 @@ class Location:
         with self.open_input(rel) as f:
             return f.read()
 
+    def link(self, rel: str, expires_seconds: int = 7 * 24 * 3600) -> str:
+        """Where a person can open `rel`: a presigned HTTPS URL on S3 (at most 7 days), else the local path."""
+        if not self.is_s3:
+            return self.child(rel)
+        return s3_client().generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(_check_rel(rel))}, ExpiresIn=expires_seconds
+        )
+
     # -- writing -------------------------------------------------------------------
 
     @contextlib.contextmanager

@@ -100,7 +100,8 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     verified = metadata_of(result, KEYS.verify("1024"))
     assert verified[f"invalid_{code}"] == 1 and verified["valid"] == TINY_ROWS - 1
     crop = metadata_of(result, KEYS.crop_bbox)
-    assert crop["passed"] and "data:image/png;base64," in crop["overlays"]
+    assert crop["passed"] and "data:image/webp;base64," in crop["overlays"]
+    assert Path(crop["overlay_full_size"]).is_file()  # locally, the path of the full-size picture
 
     # A second run of the shard keeps the outputs (skip-existing) and passes again.
     again = run_shard(tiny_defs, instance, "tiny__shard", rel)
@@ -108,7 +109,7 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     assert metadata_of(again, KEYS.crop_bbox)["status"] == "skipped"
 
 
-def test_one_shard_end_to_end_on_s3(s3_bucket, instance):
+def test_one_shard_end_to_end_on_s3(s3_env, s3_bucket, instance):
     main = Location.parse(f"s3://{s3_bucket}/lake/main/tiny")
     write_tiny(main, shards=("a/part-0.parquet",))
     config = make_config(dataset_entry("tiny", main, f"s3://{s3_bucket}/lake/out"))
@@ -126,7 +127,15 @@ def test_one_shard_end_to_end_on_s3(s3_bucket, instance):
     )
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, ["a/part-0.parquet"])
     assert set(statuses.values()) == {"SUCCEEDED"} and len(statuses) == len(RESIZED_CHECK_KEYS)
-    assert "data:image/png;base64," in metadata_of(result, KEYS.crop_bbox)["overlays"]
+    crop = metadata_of(result, KEYS.crop_bbox)
+    assert "data:image/webp;base64," in crop["overlays"]
+    # On S3 the full-size picture opens through a presigned URL.
+    link = crop["overlay_full_size"]
+    assert link.startswith(s3_env) and "Signature=" in link and "/overlays/a/part-0/" in link
+    import urllib.request
+
+    with urllib.request.urlopen(link) as response:
+        assert response.read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_one_resolution_can_be_built_alone(tiny_config, tiny_defs, instance):
