@@ -68,7 +68,7 @@ def test_every_section_validates(kind, tmp_path, env):
     expected = {
         "storage_data": "DagsterPostgresStorage",
         "run_launcher_data": {"k8s": "K8sRunLauncher", "ray": "RayRunLauncher"}[kind],
-        "run_coordinator_data": "QueuedRunCoordinator",
+        "run_coordinator_data": "DatasetRunCoordinator",
         "compute_logs_data": "S3ComputeLogManager",
     }
     for attribute, class_name in expected.items():
@@ -107,7 +107,7 @@ def test_a_broken_config_is_caught(tmp_path, env):
     home.mkdir()
     (home / "dagster.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(dg.DagsterInvalidConfigError, match="concurrency > runs"):
-        InstanceRef.from_dir(str(home))
+        InstanceRef.from_dir(str(home)).run_coordinator  # noqa: B018 - builds the coordinator from its config
 
 
 def test_run_limits_retries_and_monitoring_take_effect():
@@ -116,7 +116,7 @@ def test_run_limits_retries_and_monitoring_take_effect():
     settings = ("run_coordinator", "concurrency", "run_monitoring", "run_retries", "sensors", "schedules", "backfills")
     with dg.instance_for_test(overrides={key: config[key] for key in settings}) as instance:
         queue = instance.get_concurrency_config().run_queue_config
-        assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert type(instance.run_coordinator).__name__ == "DatasetRunCoordinator"
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
         assert not instance.run_retries_retry_on_asset_or_op_failure
         assert instance.run_monitoring_enabled
