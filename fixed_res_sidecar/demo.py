@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.defs.config import DATASETS_ENV, DatasetConfig, load_config
+from fixed_res_sidecar.defs.config import DatasetConfig, load_config
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
 
@@ -128,6 +128,14 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
         os.environ.pop("DAGSTER_HOME", None)
 
 
+def show_automation_on(instance) -> None:
+    """Clear the instance's legacy "auto-materialize paused" flag, which the UI shows as "Auto-materialize
+    off" although this project's automation runs in its automation sensors (which ignore the flag)."""
+    from dagster._daemon.asset_daemon import set_auto_materialize_paused
+
+    set_auto_materialize_paused(instance, False)
+
+
 def apply_sensor_result(instance, result) -> list[str]:
     """Do in-process what the sensor daemon does with a tick's result, except launching runs.
 
@@ -212,6 +220,7 @@ def run_demo(
     logging.getLogger("dagster").setLevel(logging.WARNING)
 
     with dagster_home(workdir) as home, dg.DagsterInstance.get() as instance:
+        show_automation_on(instance)
         new = register_shards(instance, dataset)
         rels = sorted(instance.get_dynamic_partitions(keys.partitions))
         say(f"{len(rels)} shards are partitions of {keys.partitions} ({len(new)} new); Dagster home {home}")
@@ -319,8 +328,8 @@ def format_summary(summary: DemoSummary) -> str:
         lines.append(f"    {path}")
     lines.append(f"  verifier reports: {dataset.output('reports').uri}")
     lines.append(
-        f"  browse it: DAGSTER_HOME={summary.dagster_home} {DATASETS_ENV}={summary.config_file} "
-        "dagster dev -m fixed_res_sidecar.defs.definitions"
+        f"  browse it: sidecar-ops ui --workdir {summary.workdir}   (Ctrl-C stops it; --detach runs it in the "
+        "background, --stop stops that)"
     )
     lines.append("  result: " + ("OK" if summary.ok else "PROBLEMS (see above)"))
     return "\n".join(lines)

@@ -4,7 +4,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fixed_res_sidecar.cli import build, crop_bbox, demo, verify
+from fixed_res_sidecar.cli import build, crop_bbox, demo, ui, verify
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -12,7 +12,7 @@ def make_parser() -> argparse.ArgumentParser:
         prog="sidecar-ops", description="Fixed-area resized sidecars of a sharded Parquet image dataset."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (build, crop_bbox, verify, demo):
+    for module in (build, crop_bbox, verify, demo, ui):
         module.add_parser(subparsers)
     return parser
 

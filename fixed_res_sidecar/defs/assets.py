@@ -253,7 +253,9 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
         context.log.info(f"{rel}: crop_bbox {result.status_text}")
         report = verify.verify_crop_bbox_shard(layout, rel)
         path = verify.write_report(reports, rel, report, protect=layout.read_only)
-        metadata = {
+        # Overlay pictures first: the UI lists metadata in this order.
+        metadata = _overlays(context, layout, rel, overlays, dataset) if overlays is not None else {}
+        metadata |= {
             **_shard_metadata(layout.sidecar, rel),
             "dagster/row_count": dg.MetadataValue.int(result.rows),
             "status": dg.MetadataValue.text(result.status),
@@ -265,7 +267,6 @@ def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition)
         }
         if overlays is not None:
             metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
-            metadata.update(_overlays(context, layout, rel, overlays, dataset))
         metadata["seconds"] = dg.MetadataValue.float(round(time.monotonic() - started, 3))
         yield dg.MaterializeResult(
             metadata=metadata, check_results=check_results(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS)

@@ -200,8 +200,36 @@ class DatasetAudit:
         head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_built} with crop_bbox; {totals}"
         return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")
 
+    def verdict_metadata(self) -> dict[str, dg.MetadataValue]:
+        """What the check's verdict rests on: the problem shards first, then the counts behind them."""
+        rows = [
+            dg.TableRecord({"shard": rel, "problem": f"{check} failed"})
+            for check, shards in sorted(self.failed.items())
+            for rel in shards[:LISTED]
+        ]
+        rows += [
+            dg.TableRecord({"shard": rel, "problem": "verified, no crop_bbox"}) for rel in self.crop_missing[:LISTED]
+        ]
+        rows += [
+            dg.TableRecord({"shard": rel, "problem": "crop_bbox older than its verification"})
+            for rel in self.crop_stale[:LISTED]
+        ]
+        schema = dg.TableSchema(columns=[dg.TableColumn("shard", "string"), dg.TableColumn("problem", "string")])
+        numbers = {
+            "failed_shards": len(self.failed_shards),
+            "crop_bbox_missing": len(self.crop_missing),
+            "crop_bbox_stale": len(self.crop_stale),
+            "shards": self.shards,
+            **{f"{r}_not_verified_shards": len(self.not_verified.get(r, [])) for r in RESOLUTIONS},
+        }
+        return {
+            "problem_shards": dg.MetadataValue.table(rows, schema=schema),
+            **{name: dg.MetadataValue.int(n) for name, n in numbers.items()},
+            "under_way": dg.MetadataValue.text(self.under_way or "nothing"),
+        }
+
     def metadata(self) -> dict[str, dg.MetadataValue]:
-        """Counts as plain numbers (shown inline, plotted across materializations), then the lists."""
+        """Every count as a plain number (shown inline, plotted across materializations)."""
         numbers: dict[str, int] = {
             "shards": self.shards,
             "main_rows": self.main_rows,
@@ -220,23 +248,7 @@ class DatasetAudit:
             numbers[f"{r}_invalid_rows"] = self.invalid.get(r, 0)
             for code in ERROR_CODES:
                 numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
-        metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
-        rows = [
-            dg.TableRecord({"shard": rel, "problem": f"{check} failed"})
-            for check, shards in sorted(self.failed.items())
-            for rel in shards[:LISTED]
-        ]
-        rows += [
-            dg.TableRecord({"shard": rel, "problem": "verified, no crop_bbox"}) for rel in self.crop_missing[:LISTED]
-        ]
-        rows += [
-            dg.TableRecord({"shard": rel, "problem": "crop_bbox older than its verification"})
-            for rel in self.crop_stale[:LISTED]
-        ]
-        schema = dg.TableSchema(columns=[dg.TableColumn("shard", "string"), dg.TableColumn("problem", "string")])
-        metadata["problem_shards"] = dg.MetadataValue.table(rows, schema=schema)
-        metadata["under_way"] = dg.MetadataValue.text(self.under_way or "nothing")
-        return metadata
+        return {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
 
 
 def evaluate(

@@ -182,5 +182,5 @@ def audit_check_result(keys: DatasetKeys, audit) -> dg.AssetCheckResult:
         passed=audit.passed,
         severity=dg.AssetCheckSeverity.ERROR if audit.error else dg.AssetCheckSeverity.WARN,
         description=audit.description()[:4000],
-        metadata=audit.metadata(),
+        metadata=audit.verdict_metadata(),
     )

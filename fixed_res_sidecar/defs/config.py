@@ -320,6 +320,24 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     return parse_config(raw, base_dir=file.parent, source=str(file))
 
 
+def load_code_location_config() -> SidecarConfig:
+    """The datasets file as the code location loads it: also refused when a local main dataset is missing.
+
+    `dagster dev` and `dagster definitions validate` then name the dataset and the folder instead of
+    loading definitions whose every run would fail.
+    """
+    config = load_config()
+    missing = [
+        f"dataset {d.name!r}, field 'main_prefix': {d.main.uri} does not exist (a local main dataset is a folder "
+        "of Parquet shards; for the repository's sample, run `sidecar-ops demo` first)"
+        for d in config.datasets
+        if not d.main.is_s3 and not Path(d.main.path).is_dir()
+    ]
+    if missing:
+        raise ConfigError(f"{datasets_file()}: invalid configuration:\n" + "\n".join(f"  {m}" for m in missing))
+    return config
+
+
 def parse_config(raw: Any, base_dir: str | os.PathLike | None = None, source: str = "datasets config") -> SidecarConfig:
     """Validate an already parsed datasets document (relative paths against `base_dir`)."""
     if not isinstance(raw, Mapping):

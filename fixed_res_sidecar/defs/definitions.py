@@ -4,7 +4,7 @@ dagster dev -w workspace.yaml                       # loads this module
 SIDECAR_DATASETS=/path/datasets.yaml dagster dev -m fixed_res_sidecar.defs.definitions
 """
 
-from fixed_res_sidecar.defs.config import load_config
+from fixed_res_sidecar.defs.config import load_code_location_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 
-defs = build_definitions(load_config())
+defs = build_definitions(load_code_location_config())

@@ -71,7 +71,7 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
     instance.create_run_for_job(job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
     evaluation, metadata = run_audit(tiny_defs, instance)
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
-    assert metadata["under_way"] == "1 run(s) queued or running, 0 backfill(s) in progress"
+    assert evaluation.metadata["under_way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
 
 
 def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, tiny_defs, instance):

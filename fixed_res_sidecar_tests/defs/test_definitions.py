@@ -9,9 +9,10 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from fixed_res_sidecar.defs.config import DATASETS_ENV
+from fixed_res_sidecar.defs.config import DATASETS_ENV, load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 
@@ -39,13 +40,19 @@ def cli_env(tmp_path: Path, datasets: Path | None = None) -> dict[str, str]:
     return env
 
 
-def test_repo_definitions_load_and_validate(monkeypatch):
+def repo_datasets_with_sample(tmp_path: Path) -> Path:
+    """The repository's datasets file, copied next to a small sample main dataset where it points."""
+    datasets = tmp_path / "datasets.yaml"
+    shutil.copy(REPO_ROOT / "datasets.yaml", datasets)
+    write_sample_dataset(load_config(datasets).dataset("sample").main, shards=["part-0.parquet"], rows_per_shard=2)
+    return datasets
+
+
+def test_repo_definitions_load_and_validate(tmp_path, monkeypatch):
     import importlib
 
-    from fixed_res_sidecar.defs import definitions
-
-    monkeypatch.chdir(REPO_ROOT)  # the code location reads datasets.yaml from where it starts
-    monkeypatch.delenv(DATASETS_ENV, raising=False)
+    monkeypatch.setenv(DATASETS_ENV, str(repo_datasets_with_sample(tmp_path)))
+    definitions = importlib.import_module("fixed_res_sidecar.defs.definitions")  # loaded with the variable set
     defs = importlib.reload(definitions).defs
     dg.Definitions.validate_loadable(defs)
     keys = DatasetKeys("sample")
@@ -68,9 +75,26 @@ def test_repo_definitions_load_and_validate(monkeypatch):
 
 
 def test_dagster_cli_validates_the_workspace(tmp_path):
-    result = dagster_cli("definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path))
+    result = dagster_cli(
+        "definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, repo_datasets_with_sample(tmp_path))
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Validation successful for code location fixed_res_sidecar" in result.stdout + result.stderr
+
+
+def test_dagster_cli_reports_a_missing_local_main_dataset(tmp_path):
+    # The repository's datasets file, before `sidecar-ops demo` made the sample it points at.
+    shutil.copy(REPO_ROOT / "datasets.yaml", tmp_path / "datasets.yaml")
+    result = dagster_cli(
+        "definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, tmp_path / "datasets.yaml")
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert (
+        f"dataset 'sample', field 'main_prefix': {tmp_path / 'sidecar-demo' / 'main' / 'sample'} does not exist"
+        in output
+    )
+    assert "sidecar-ops demo" in output
 
 
 def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):
