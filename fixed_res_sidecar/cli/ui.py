@@ -14,6 +14,7 @@ gets SIGINT, as Ctrl-C would send, then SIGKILL if it has not stopped after a wh
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -196,10 +197,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _answers(url: str) -> bool:

@@ -69,7 +69,7 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
     # A run of the dataset not finished yet: work is under way, so only a warning.
     job = tiny_defs.resolve_job_def("tiny__shard")
     instance.create_run_for_job(job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
-    evaluation, metadata = run_audit(tiny_defs, instance)
+    evaluation, _ = run_audit(tiny_defs, instance)
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
     assert evaluation.metadata["under_way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
 
