@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 PILLOW_SIMD=pillow-simd==12.1.1.post0
 # pillow-simd builds from source: these headers decide which formats it can read and write.
-APT_PACKAGES="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
+# chromium: the browser tests drive Debian's Chromium with Playwright (no browser download).
+APT_PACKAGES="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev chromium"
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi

@@ -1,0 +1,158 @@
+"""`sidecar-ops ui` and what an auditor sees in it: a real `dagster dev`, a real Chromium.
+
+The demo's data with one damaged shard: its verifier fails and its crop_bbox is refused. In
+the browser the dataset audit's check page shows the totals and the failing shard by name, the
+crop_bbox page shows an overlay picture at least 600 px wide, a run launched from an asset page
+carries the dataset tag, and the project's metadata raises no console errors.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from fixed_res_sidecar import demo
+from fixed_res_sidecar.defs.config import load_config
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar_tests.defs.conftest import QUIET, swap_two_keys
+
+KEYS = DatasetKeys("sample")
+DAMAGED = "part-00001.parquet"
+SCREENSHOTS = os.environ.get("SIDECAR_SCREENSHOTS")  # keep the screenshots here to look at them
+
+
+def sidecar_ops(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fixed_res_sidecar.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def audited_demo(tmp_path_factory) -> Path:
+    """A demo work dir whose shard DAMAGED failed its verifier; the audit ran afterwards."""
+    workdir = tmp_path_factory.mktemp("ui") / "sidecar-demo"
+    previous = os.environ.pop("DAGSTER_HOME", None)
+    try:
+        summary = demo.run_demo(workdir, shards=2, rows_per_shard=6, say=lambda _: None)
+        assert summary.ok, demo.format_summary(summary)
+        dataset = load_config(summary.config_file).dataset("sample")
+        defs = build_definitions(load_config(summary.config_file))
+        swap_two_keys(dataset.output("resized_512"), DAMAGED)
+        with dg.DagsterInstance.from_config(str(summary.dagster_home)) as instance:
+            job = defs.resolve_job_def(KEYS.shard_job)
+            for selection, ok in (([KEYS.verify("512")], False), ([KEYS.crop_bbox], True)):  # verify fails, crop refused
+                result = job.execute_in_process(
+                    partition_key=DAMAGED, instance=instance, asset_selection=selection, raise_on_error=False, run_config=QUIET
+                )
+                assert result.success is ok
+            defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
+    finally:
+        if previous is not None:
+            os.environ["DAGSTER_HOME"] = previous
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def ui(audited_demo):
+    """`sidecar-ops ui --detach` on the demo; stopped (with everything it started) at the end."""
+    port = free_port()
+    started = sidecar_ops("ui", "--workdir", str(audited_demo), "--port", str(port), "--detach", cwd=audited_demo.parent)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
+    pid = int((audited_demo / "dagster_home" / "dagster-dev.pid").read_text())
+    try:
+        yield f"http://127.0.0.1:{port}", audited_demo
+    finally:
+        stopped = sidecar_ops("ui", "--workdir", str(audited_demo), "--stop", cwd=audited_demo.parent)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # webserver, daemon and code server are gone
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is needed (scripts/setup.sh installs it)"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=chromium,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update"],
+        )
+        yield browser
+        browser.close()
+
+
+class Page:
+    """A browser page on the UI that records console errors and load times."""
+
+    def __init__(self, browser, base: str):
+        self.page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        self.base, self.errors, self.load_seconds = base, [], {}
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+
+    def open(self, path: str, ready: str) -> None:
+        started = time.monotonic()
+        self.page.goto(self.base + path)
+        self.page.get_by_text(ready).first.wait_for(timeout=60_000)  # the UI polls: wait for content, not idle
+        self.load_seconds[path] = round(time.monotonic() - started, 2)
+        skip = self.page.get_by_role("button", name="Skip")  # the community pop-up of a first visit
+        if skip.count():
+            skip.first.click()
+
+    def shot(self, name: str) -> None:
+        if SCREENSHOTS:
+            self.page.wait_for_timeout(1000)  # let dialogs finish opening
+            Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+            self.page.screenshot(path=str(Path(SCREENSHOTS, f"{name}.png")), full_page=True)
+
+
+def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
+    base, workdir = ui
+    page = Page(browser, base)
+
+    page.open("/assets/sample/audit?view=checks", "dataset_audit")
+    page.page.get_by_text(DAMAGED).first.wait_for(timeout=30_000)
+    text = page.page.inner_text("body")
+    page.shot("audit-check")
+    assert f"sample/verify_512:keys_match FAILED on 1 shard(s): {DAMAGED}" in text  # the failing shard, by name
+    assert "sample FAILED: 2 shards, 2 with crop_bbox; 512: 10 valid, 2 invalid" in text  # the totals
+    page.shot("audit-check")
+
+    page.open("/assets/sample/crop_bbox", "Overlay pictures")
+    page.page.get_by_text("[Show Markdown]").first.click()
+    picture = page.page.locator("img[src^='data:image/webp']").first
+    picture.wait_for(timeout=30_000)
+    width = picture.evaluate("image => image.complete ? image.naturalWidth : 0")
+    assert width >= 600
+    page.shot("crop-bbox-overlay")
+
+    # Launched from the asset page: the run carries the dataset tag (DatasetRunCoordinator).
+    page.open("/assets/sample/audit", "Materialize")
+    page.page.get_by_role("button", name="Materialize").first.click()
+    with dg.DagsterInstance.from_config(str(workdir / "dagster_home")) as instance:
+        deadline = time.monotonic() + 60
+        runs = []
+        while time.monotonic() < deadline and not runs:
+            runs = [r for r in instance.get_runs() if r.job_name == "__ASSET_JOB"]
+            time.sleep(1)
+        assert runs, "no run was launched from the asset page"
+        assert runs[0].tags.get(DATASET_TAG) == "sample"
+
+    project_errors = [e for e in page.errors if "Failed to load resource" not in e]
+    assert project_errors == [], project_errors
+    print("page load seconds:", page.load_seconds)
