@@ -1,29 +1,27 @@
-"""The asset graph of one dataset, partitioned by its shards. Thin: every step calls a shard job.
+"""The asset graph of one dataset, partitioned by its shards. Thin: the work is `shards.pipeline`.
 
     <name>/main ──> <name>/resized_512 ──> <name>/verify_512 ──┐
-              └──> <name>/resized_1024 ─> <name>/verify_1024 ─┴──> <name>/crop_bbox
-                  (one multi-asset, one decode)
+              └──> <name>/resized_1024 ─> <name>/verify_1024 ─┴──> <name>/crop_bbox ──> <name>/audit
 
-- `main`: the main Parquet dataset, external (never materialised here); the discovery sensor
+- `main`: the main Parquet dataset, external (never materialised by a run); the discovery sensor
   records each shard as a runless materialization (row count, bytes).
-- `resized_512` + `resized_1024`: one multi-asset over `shards.resize.build_resized_shard`, so
-  one decode feeds both; either can be selected alone.
-- `verify_512` / `verify_1024`: `shards.verify.verify_resized_shard`; the JSON report is written
-  under the dataset's reports prefix; SPEC 7 items are blocking partitioned checks.
-- `crop_bbox`: `shards.crop_bbox.build_crop_bbox_shard`, then `verify_crop_bbox_shard`; overlay
-  pictures (`shards.overlay.write_overlays`, not a check) are written under the reports prefix
-  and shown in the materialization.
-  Gated: in the same run, a failed blocking check upstream skips it; across runs, its
-  automation condition waits until both verifiers' blocking checks passed for the shard; and
-  a run of it alone (from the UI) is refused unless both verifiers materialised the shard after
-  its resized shards last did and all their checks passed on that verification
-  (`history.unverified_resized_problems`).
+- `resized_*`, `verify_*`, `crop_bbox`: one multi-asset, so one run of a batch of shards is one
+  step. Per shard, in worker processes within the run's CPU budget, `shards.pipeline.run_stages`
+  resizes (one decode for both resolutions), verifies (SPEC 7, blocking partitioned checks) and
+  crops (the sidecar, its checks and overlay pictures) what the run selected. Every shard gets
+  its own materializations and its own check results, also in a run over several shards.
+  The gate is per shard: a shard whose verifier failed gets no crop_bbox, the others of its batch
+  do; crop_bbox selected without its verifiers is refused unless both verifiers passed on the
+  current resized shards in earlier runs (`history.unverified_resized_problems`). A refused shard
+  gets an observation saying why and no materialization; its checks do not run.
+  A shard whose selected outputs are up to date and whose last results are on record is not
+  redone: its results are restated for this run (footers read, nothing else).
+- `audit`: the dataset audit (defs/audit.py), one per dataset.
 
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
 """
 
 import base64
-import time
 from collections.abc import Iterator
 
 import dagster as dg
@@ -34,7 +32,7 @@ from fixed_res_sidecar.core.overlay import embeddable
 from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.checks import (
     audit_check_result,
-    check_results,
+    check_evaluations,
     crop_check_specs,
     dataset_audit_check_spec,
     examples_table,
@@ -42,17 +40,26 @@ from fixed_res_sidecar.defs.checks import (
     resized_check_specs,
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.history import unverified_resized_problems
+from fixed_res_sidecar.defs.history import (
+    VERIFIED_FINGERPRINT,
+    latest_materialization,
+    recorded_results,
+    unverified_resized_problems,
+)
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
-from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
-from fixed_res_sidecar.shards.overlay import write_overlays
-from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.pipeline import (
+    PipelineOptions,
+    ShardOutcome,
+    Stages,
+    fingerprints_match,
+    outputs_up_to_date,
+    run_stages,
+)
+from fixed_res_sidecar.shards.runner import Progress, run_shards
 
-# Each inline picture costs about 60-120 KB of event log (base64 WebP, 640 px wide); the full-size
-# PNGs stay under the reports prefix. `overlay_embed` sets how many per shard.
 # crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
 # or in progress, and every blocking check of its parents passed for that shard.
 CROP_BBOX_CONDITION = (
@@ -77,6 +84,263 @@ def main_spec(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg
     )
 
 
+def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> list[dg.AssetSpec]:
+    keys, layout = DatasetKeys(dataset.name), dataset.layout
+    common = {"partitions_def": partitions, "group_name": keys.group, "skippable": True}
+    specs = [
+        dg.AssetSpec(
+            keys.resized(r),
+            deps=[keys.main],
+            description=(
+                f"Images of {dataset.main.uri} at {layout.resized[r].area:,} px area, one shard per main shard, "
+                f"with `{layout.resized[r].audit_prefix}_*` audit columns: {layout.resized[r].location.uri}"
+            ),
+            metadata={"uri": dg.MetadataValue.path(layout.resized[r].location.uri)},
+            kinds={"parquet", dataset.output_format},
+            **common,
+        )
+        for r in RESOLUTIONS
+    ]
+    specs += [
+        dg.AssetSpec(
+            keys.verify(r),
+            deps=[keys.resized(r)],
+            automation_condition=VERIFY_CONDITION,
+            description=(
+                f"SPEC 7 verifier report of {keys.resized(r).to_user_string()}, per shard, as JSON under "
+                f"{layout.report_location(f'resized_{r}').uri}. Its blocking checks gate {keys.crop_bbox.to_user_string()}."
+            ),
+            kinds={"json"},
+            **common,
+        )
+        for r in RESOLUTIONS
+    ]
+    specs.append(
+        dg.AssetSpec(
+            keys.crop_bbox,
+            deps=[*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS)],
+            automation_condition=CROP_BBOX_CONDITION,
+            description=(
+                "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
+                f"bbox_resize_meta per row, at {layout.sidecar.uri}. Built for a shard only after both verifiers' "
+                "blocking checks passed for it (a refused shard gets an observation saying why, and no "
+                "materialization). Overlay pictures of sampled rows are in the materialization metadata."
+            ),
+            kinds={"parquet", "json"},
+            **common,
+        )
+    )
+    return specs
+
+
+def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
+    keys = DatasetKeys(dataset.name)
+    check_specs = [spec for r in RESOLUTIONS for spec in resized_check_specs(keys, r, partitions)]
+    check_specs += crop_check_specs(keys, partitions)
+
+    # One multi-asset: its outputs and check results are optional (a refused shard emits neither),
+    # and a run over a batch of shards is one step.
+    @dg.multi_asset(
+        name=keys.shard_op,
+        specs=shard_specs(dataset, partitions),
+        check_specs=check_specs,
+        partitions_def=partitions,
+        can_subset=True,
+        backfill_policy=dg.BackfillPolicy.multi_run(dataset.shards_per_run),
+    )
+    def _shards(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator:
+        stages = selected_stages(keys, context.selected_asset_keys)
+        options = PipelineOptions(
+            pixels=dataset.pixel_options(),
+            verify=dataset.verify_options(),
+            threads=sidecar.threads_for(dataset.threads_per_shard),
+            skip_existing=sidecar.skip_existing,
+            overlay_sample=dataset.overlay_sample,
+        )
+        rels = list(context.partition_keys)
+        current = {
+            rel: results for rel in rels if (results := _current(context.instance, keys, dataset, rel, stages, options))
+        }
+        for rel, results in current.items():
+            context.log.info(f"{rel}: up to date, results restated")
+            yield from restated_events(rel, results)
+        todo = [rel for rel in rels if rel not in current]
+        gates = {rel: unverified_resized_problems(context.instance, keys, rel) for rel in todo} if stages.crop else {}
+        workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
+        outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
+        for rel in todo:
+            if rel in outcomes:
+                yield from shard_events(context, dataset, keys, outcomes[rel], stages)
+        if failures:  # not the data's fault (storage, a crash): the run fails and can be retried
+            raise dg.Failure(
+                description="; ".join(f"{rel}: {reason}" for rel, reason in sorted(failures.items())),
+                metadata={"failed_shards": dg.MetadataValue.json(sorted(failures))},
+            )
+
+    return _shards
+
+
+def selected_stages(keys: DatasetKeys, selected: set[dg.AssetKey]) -> Stages:
+    return Stages(
+        resize=tuple(r for r in RESOLUTIONS if keys.resized(r) in selected),
+        verify=tuple(r for r in RESOLUTIONS if keys.verify(r) in selected),
+        crop=keys.crop_bbox in selected,
+    )
+
+
+def _run(dataset, rels, stages, options, gates, workers) -> tuple[dict[str, ShardOutcome], dict[str, str]]:
+    """Run the stages for every shard: in this process, or in worker processes (spawned per run)."""
+    if not rels:
+        return {}, {}
+    if workers == 1:
+        outcomes, failures = {}, {}
+        for rel in rels:
+            try:
+                outcomes[rel] = run_stages(dataset.layout, rel, stages, options, gates.get(rel))
+            except Exception as exc:  # noqa: BLE001 - one shard's failure must not lose the others' results
+                failures[rel] = describe_exception(exc, max_chars=500)
+        return outcomes, failures
+    summary = run_shards(
+        _StagesJob(dataset.layout, stages, options, gates),
+        rels,
+        workers=workers,
+        progress=Progress(len(rels), quiet=True),
+    )
+    return summary.results, summary.failures
+
+
+class _StagesJob:
+    """`run_stages` for one shard, as the picklable job the process runner takes."""
+
+    def __init__(self, layout, stages, options, gates):
+        self.layout, self.stages, self.options, self.gates = layout, stages, options, gates
+
+    def __call__(self, rel: str) -> ShardOutcome:
+        return run_stages(self.layout, rel, self.stages, self.options, self.gates.get(rel))
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: ShardOutcome, stages: Stages) -> Iterator:
+    """Materializations and check results of one shard, each check linked to its materialization."""
+    rel, layout, instance = outcome.rel, dataset.layout, context.instance
+    if outcome.resize_problem:
+        context.log.error(f"{rel}: not resized: {outcome.resize_problem}")
+    if outcome.resized is not None:
+        for resolution, summary in zip(stages.resize, outcome.resized.outputs):
+            metadata = {
+                **_shard_metadata(layout.resized[resolution].location, rel),
+                "dagster/row_count": dg.MetadataValue.int(outcome.resized.rows),
+                "status": dg.MetadataValue.text(summary.status),
+                "seconds": dg.MetadataValue.float(round(outcome.resized.seconds, 3)),
+            }
+            if summary.status == "built":  # a skipped (up to date) shard was not read: its verifier has the counts
+                metadata["valid"] = dg.MetadataValue.int(summary.valid)
+                metadata["invalid"] = dg.MetadataValue.int(sum(summary.error_counts.values()))
+                for code in ERROR_CODES:
+                    metadata[f"invalid_{code}"] = dg.MetadataValue.int(summary.error_counts.get(code, 0))
+            yield dg.AssetMaterialization(asset_key=keys.resized(resolution), partition=rel, metadata=metadata)
+    for resolution, report in outcome.reports.items():
+        failed = [c.name for c in report.failed_checks]
+        context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")
+        yield dg.AssetMaterialization(
+            asset_key=keys.verify(resolution),
+            partition=rel,
+            metadata={
+                "report": dg.MetadataValue.path(outcome.report_paths[resolution]),
+                "passed": dg.MetadataValue.bool(report.passed),
+                VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
+                "failed_checks": dg.MetadataValue.json(failed),
+                **report_counts(report),
+                "invalid_examples": examples_table(report.examples),
+            },
+        )
+        target = latest_materialization(instance, keys.verify(resolution), rel)
+        yield from check_evaluations(report, keys.verify(resolution), verify.RESIZED_CHECKS, rel, target)
+    if outcome.crop_refused:
+        yield refusal(keys, rel, outcome.crop_refused, context)
+    elif outcome.crop_problem:
+        context.log.error(f"{rel}: crop_bbox not built: {outcome.crop_problem}")
+    elif outcome.crop is not None:
+        context.log.info(f"{rel}: crop_bbox {outcome.crop.status_text}")
+        report = outcome.crop_report
+        # Overlay pictures first: the UI lists metadata in this order.
+        metadata = _overlay_metadata(layout.report_location("overlays"), outcome, dataset.overlay_embed)
+        metadata |= {
+            **_shard_metadata(layout.sidecar, rel),
+            "dagster/row_count": dg.MetadataValue.int(outcome.crop.rows),
+            "status": dg.MetadataValue.text(outcome.crop.status),
+            "report": dg.MetadataValue.path(outcome.report_paths["crop_bbox"]),
+            "passed": dg.MetadataValue.bool(report.passed),
+            VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get("crop_bbox")),
+            "failed_checks": dg.MetadataValue.json([c.name for c in report.failed_checks]),
+            "captions": dg.MetadataValue.json(report.stats.get("caption_status", {})),
+            "boxes": dg.MetadataValue.json(report.stats.get("boxes", {})),
+            "seconds": dg.MetadataValue.float(round(outcome.seconds, 3)),
+        }
+        yield dg.AssetMaterialization(asset_key=keys.crop_bbox, partition=rel, metadata=metadata)
+        target = latest_materialization(instance, keys.crop_bbox, rel)
+        yield from check_evaluations(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS, rel, target)
+
+
+def refusal(keys: DatasetKeys, rel: str, problems: list[str], context) -> dg.AssetObservation:
+    """A refused crop_bbox: nothing built, no check run (the sidecar on disk did not change); this says why."""
+    reason = (
+        f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the current resized "
+        f"shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run verify_512/verify_1024 for it, "
+        "then crop_bbox."
+    )
+    context.log.warning(reason)
+    return dg.AssetObservation(
+        asset_key=keys.crop_bbox,
+        partition=rel,
+        description=reason[:2000],
+        metadata={
+            "gate": dg.MetadataValue.text("refused: nothing built"),
+            "shard": dg.MetadataValue.text(rel),
+            "reason": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems)),
+        },
+    )
+
+
+def _current(instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options) -> dict | None:
+    """The recorded results of `rel` when nothing needs doing: every selected result is on record,
+    passed, was made on the very objects now in storage (their fingerprints), and they are up to date
+    (a few event-log queries, stats and footer reads); else None."""
+    if not options.skip_existing:
+        return None
+    recorded = recorded_results(instance, keys, rel, stages)
+    if recorded is None or not recorded.results:  # nothing on record to restate (e.g. resized alone)
+        return None
+    layout = dataset.layout
+    if not fingerprints_match(layout, rel, recorded.fingerprints) or not outputs_up_to_date(
+        layout, rel, stages, options
+    ):
+        return None
+    return recorded.results
+
+
+def restated_events(rel: str, results: dict) -> Iterator[dg.AssetCheckEvaluation]:
+    """The recorded check results of an up-to-date shard, restated against the same materializations."""
+    for check_key, (passed, description, target) in results.items():
+        yield dg.AssetCheckEvaluation(
+            asset_key=check_key.asset_key,
+            check_name=check_key.name,
+            passed=passed,
+            partition=rel,
+            target_materialization_data=target,
+            severity=dg.AssetCheckSeverity.ERROR,
+            blocking=True,
+            description=f"restated, the shard is unchanged since run {target.run_id[:8]}: {description}"[:2000],
+            metadata={"restated_from_run": dg.MetadataValue.text(target.run_id)},
+        )
+
+
+def _text_or_null(value: str | None) -> dg.MetadataValue:
+    return dg.MetadataValue.null() if value is None else dg.MetadataValue.text(value)
+
+
 def _shard_metadata(location: Location, rel: str) -> dict[str, dg.MetadataValue]:
     size = location.size(rel)
     return {
@@ -85,91 +349,16 @@ def _shard_metadata(location: Location, rel: str) -> dict[str, dg.MetadataValue]
     }
 
 
-def resized_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-    keys = DatasetKeys(dataset.name)
-    specs = [
-        dg.AssetSpec(
-            keys.resized(resolution),
-            deps=[keys.main],
-            partitions_def=partitions,
-            group_name=keys.group,
-            skippable=True,
-            description=(
-                f"Images of {dataset.main.uri} at {dataset.resized(resolution).area:,} px area, one shard per main "
-                f"shard, with `{dataset.resized(resolution).audit_prefix}_*` audit columns: "
-                f"{dataset.resized(resolution).location.uri}"
-            ),
-            metadata={"uri": dg.MetadataValue.path(dataset.resized(resolution).location.uri)},
-            kinds={"parquet", dataset.output_format},
-        )
-        for resolution in RESOLUTIONS
-    ]
-
-    @dg.multi_asset(name=keys.resized_op, specs=specs, partitions_def=partitions, can_subset=True)
-    def _resized(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator[dg.MaterializeResult]:
-        rel = context.partition_key
-        selected = [r for r in RESOLUTIONS if keys.resized(r) in context.selected_asset_keys]
-        result = build_resized_shard(
-            dataset.layout,
-            rel,
-            resolutions=selected,
-            options=dataset.pixel_options(),
-            threads=sidecar.threads_for(dataset.threads_per_shard),
-            skip_existing=sidecar.skip_existing,
-        )
-        context.log.info(f"{rel}: {result.status_text}")
-        for resolution, summary in zip(selected, result.outputs):
-            metadata = {
-                **_shard_metadata(dataset.resized(resolution).location, rel),
-                "dagster/row_count": dg.MetadataValue.int(result.rows),
-                "status": dg.MetadataValue.text(summary.status),
-                "seconds": dg.MetadataValue.float(round(result.seconds, 3)),
-            }
-            if summary.status == "built":  # a skipped (up to date) shard was not read: its verifier has the counts
-                metadata["valid"] = dg.MetadataValue.int(summary.valid)
-                metadata["invalid"] = dg.MetadataValue.int(sum(summary.error_counts.values()))
-                for code in ERROR_CODES:
-                    metadata[f"invalid_{code}"] = dg.MetadataValue.int(summary.error_counts.get(code, 0))
-            yield dg.MaterializeResult(asset_key=keys.resized(resolution), metadata=metadata)
-
-    return _resized
-
-
-def verify_asset(dataset: DatasetConfig, resolution: str, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-    keys = DatasetKeys(dataset.name)
-    reports = dataset.layout.report_location(f"resized_{resolution}")
-
-    @dg.asset(
-        key=keys.verify(resolution),
-        deps=[keys.resized(resolution)],
-        partitions_def=partitions,
-        group_name=keys.group,
-        check_specs=resized_check_specs(keys, resolution, partitions),
-        automation_condition=VERIFY_CONDITION,
-        description=(
-            f"SPEC 7 verifier report of {keys.resized(resolution).to_user_string()}, per shard, as JSON under "
-            f"{reports.uri}. Its blocking checks gate {keys.crop_bbox.to_user_string()}."
-        ),
-        kinds={"json"},
-    )
-    def _verify(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        rel = context.partition_key
-        report = verify.verify_resized_shard(dataset.layout, rel, resolution, dataset.verify_options())
-        path = verify.write_report(reports, rel, report, protect=dataset.layout.read_only)
-        failed = [c.name for c in report.failed_checks]
-        context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")
-        return dg.MaterializeResult(
-            metadata={
-                "report": dg.MetadataValue.path(reports.child(path)),
-                "passed": dg.MetadataValue.bool(report.passed),
-                "failed_checks": dg.MetadataValue.json(failed),
-                **report_counts(report),
-                "invalid_examples": examples_table(report.examples),
-            },
-            check_results=check_results(report, keys.verify(resolution), verify.RESIZED_CHECKS),
-        )
-
-    return _verify
+def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> dict[str, dg.MetadataValue]:
+    """The shard's overlay pictures: inline ones (WebP data URIs) and links to every full-size one."""
+    if outcome.overlay_problem:
+        return {"overlays": dg.MetadataValue.text(f"overlay pictures could not be drawn: {outcome.overlay_problem}")}
+    if not outcome.overlays:
+        return {}
+    metadata = {"overlays": dg.MetadataValue.md(overlay_markdown(overlays, outcome.overlays, embed))}
+    link = overlays.link(outcome.overlays[0].removeprefix(overlays.uri.rstrip("/") + "/"))
+    metadata["overlay_full_size"] = dg.MetadataValue.url(link) if overlays.is_s3 else dg.MetadataValue.path(link)
+    return metadata
 
 
 def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
@@ -189,109 +378,7 @@ def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
 
 def _picture_link(location: Location, rel: str) -> str:
     link = location.link(rel)
-    return f"- [{rel}]({link})" if link.startswith("https://") or link.startswith("http://") else f"- `{link}`"
-
-
-def crop_bbox_asset(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
-    keys = DatasetKeys(dataset.name)
-    layout = dataset.layout
-    reports = layout.report_location("crop_bbox")
-    overlays = layout.report_location("overlays") if dataset.overlay_sample > 0 else None
-
-    spec = dg.AssetSpec(
-        keys.crop_bbox,
-        deps=[keys.resized("512"), keys.resized("1024"), keys.verify("512"), keys.verify("1024")],
-        partitions_def=partitions,
-        group_name=keys.group,
-        automation_condition=CROP_BBOX_CONDITION,
-        description=(
-            "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
-            f"bbox_resize_meta per row, at {layout.sidecar.uri}. Built for a shard only after both verifiers' blocking "
-            "checks passed for it (a refused shard gets an observation saying why, and no materialization). "
-            "Overlay pictures of sampled rows are in the materialization metadata."
-        ),
-        kinds={"parquet", "json"},
-        skippable=True,
-    )
-
-    # A multi-asset, not an asset: its outputs and check results are optional, so a refused shard
-    # emits neither (an asset's check results are required, and would show as failed).
-    @dg.multi_asset(
-        name=keys.crop_bbox_op,
-        specs=[spec],
-        check_specs=crop_check_specs(keys, partitions),
-        partitions_def=partitions,
-        can_subset=True,
-    )
-    def _crop_bbox(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator:
-        rel = context.partition_key
-        # The gate also holds for a run of crop_bbox alone (the UI allows one): Dagster's blocking
-        # checks stop downstream steps only in their own run.
-        problems = unverified_resized_problems(context.instance, keys, rel)
-        if problems:
-            # Nothing is built and no check runs (the UI shows them skipped, not failed: the sidecar on
-            # disk did not change); the refusal is recorded on the shard, where the UI shows it.
-            reason = (
-                f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the current "
-                f"resized shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run "
-                "verify_512/verify_1024 for it, then crop_bbox."
-            )
-            context.log.warning(reason)
-            yield dg.AssetObservation(
-                asset_key=keys.crop_bbox,
-                partition=rel,
-                description=reason[:2000],
-                metadata={
-                    "gate": dg.MetadataValue.text("refused: nothing built"),
-                    "shard": dg.MetadataValue.text(rel),
-                    "reason": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems)),
-                },
-            )
-            return
-        started = time.monotonic()
-        result = build_crop_bbox_shard(layout, rel, skip_existing=sidecar.skip_existing)
-        context.log.info(f"{rel}: crop_bbox {result.status_text}")
-        report = verify.verify_crop_bbox_shard(layout, rel)
-        path = verify.write_report(reports, rel, report, protect=layout.read_only)
-        # Overlay pictures first: the UI lists metadata in this order.
-        metadata = _overlays(context, layout, rel, overlays, dataset) if overlays is not None else {}
-        metadata |= {
-            **_shard_metadata(layout.sidecar, rel),
-            "dagster/row_count": dg.MetadataValue.int(result.rows),
-            "status": dg.MetadataValue.text(result.status),
-            "report": dg.MetadataValue.path(reports.child(path)),
-            "passed": dg.MetadataValue.bool(report.passed),
-            "failed_checks": dg.MetadataValue.json([c.name for c in report.failed_checks]),
-            "captions": dg.MetadataValue.json(report.stats.get("caption_status", {})),
-            "boxes": dg.MetadataValue.json(report.stats.get("boxes", {})),
-        }
-        if overlays is not None:
-            metadata["overlay_dir"] = dg.MetadataValue.path(overlays.uri)
-        metadata["seconds"] = dg.MetadataValue.float(round(time.monotonic() - started, 3))
-        yield dg.MaterializeResult(
-            metadata=metadata, check_results=check_results(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS)
-        )
-
-    return _crop_bbox
-
-
-def _overlays(context, layout, rel: str, overlays: Location, dataset: DatasetConfig) -> dict[str, dg.MetadataValue]:
-    """The shard's overlay pictures as metadata: inline pictures, and a link to the first full-size one.
-
-    Pictures that cannot be drawn are a warning, not a failure: the checks decide pass or fail.
-    """
-    try:
-        pictures = write_overlays(layout, rel, overlays, dataset.overlay_sample)
-    except Exception as exc:  # noqa: BLE001 - pictures are for people
-        message = f"{rel}: overlay pictures could not be drawn: {describe_exception(exc, max_chars=300)}"
-        context.log.warning(message)
-        return {"overlays": dg.MetadataValue.text(message)}
-    metadata = {"overlays": dg.MetadataValue.md(overlay_markdown(overlays, pictures, dataset.overlay_embed))}
-    if pictures:
-        link = overlays.link(pictures[0].removeprefix(overlays.uri.rstrip("/") + "/"))
-        local = not overlays.is_s3
-        metadata["overlay_full_size"] = dg.MetadataValue.path(link) if local else dg.MetadataValue.url(link)
-    return metadata
+    return f"- [{rel}]({link})" if link.startswith(("https://", "http://")) else f"- `{link}`"
 
 
 def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
@@ -311,7 +398,7 @@ def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
         kinds={"json"},
     )
     def _audit(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
-        audit = audit_dataset(context.instance, keys, own_run_id=context.run_id)
+        audit = audit_dataset(context.instance, keys, own_run_id=context.run.run_id)
         context.log.info(audit.description())
         return dg.MaterializeResult(metadata=audit.metadata(), check_results=[audit_check_result(keys, audit)])
 
@@ -321,11 +408,5 @@ def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
 def dataset_assets(
     dataset: DatasetConfig, partitions: dg.PartitionsDefinition
 ) -> list[dg.AssetSpec | dg.AssetsDefinition]:
-    """Every asset of one dataset, all on `partitions`."""
-    return [
-        main_spec(dataset, partitions),
-        resized_assets(dataset, partitions),
-        *(verify_asset(dataset, resolution, partitions) for resolution in RESOLUTIONS),
-        crop_bbox_asset(dataset, partitions),
-        audit_asset(dataset),
-    ]
+    """Every asset of one dataset: main, the per-shard multi-asset, the audit."""
+    return [main_spec(dataset, partitions), shard_assets(dataset, partitions), audit_asset(dataset)]

@@ -131,10 +131,15 @@ def report_counts(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
     return metadata
 
 
-def check_results(
-    report: verify.ShardReport, asset_key: dg.AssetKey, expected: Sequence[str]
-) -> list[dg.AssetCheckResult]:
-    """One result per expected check name; a check the report lacks fails (never silently passes)."""
+def check_evaluations(
+    report: verify.ShardReport,
+    asset_key: dg.AssetKey,
+    expected: Sequence[str],
+    partition: str,
+    target: dg.EventLogRecord | None,
+) -> list[dg.AssetCheckEvaluation]:
+    """One result per expected check name, for shard `partition`, linked to the materialization
+    `target` it describes; a check the report lacks fails (never silently passes)."""
     by_name = {c.name: c for c in report.checks}
     counts = report_counts(report)
     results = []
@@ -149,16 +154,32 @@ def check_results(
             if name == verify.AUDIT_CONSISTENT:
                 metadata["invalid_examples"] = examples_table(report.examples)
         results.append(
-            dg.AssetCheckResult(
+            dg.AssetCheckEvaluation(
                 asset_key=asset_key,
                 check_name=name,
                 passed=result.passed,
+                partition=partition,
+                target_materialization_data=target_data(target),
                 severity=dg.AssetCheckSeverity.ERROR,
+                blocking=True,
                 description=result.message[:2000],
                 metadata={k: v if isinstance(v, dg.MetadataValue) else metadata_value(v) for k, v in metadata.items()},
             )
         )
     return results
+
+
+def target_data(record: dg.EventLogRecord | None):
+    """The link from a check result to the materialization it checked (the UI shows results only so)."""
+    from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+        AssetCheckEvaluationTargetMaterializationData,
+    )
+
+    if record is None:
+        return None
+    return AssetCheckEvaluationTargetMaterializationData(
+        storage_id=record.storage_id, run_id=record.run_id, timestamp=record.timestamp
+    )
 
 
 # -- the dataset audit ----------------------------------------------------------------------

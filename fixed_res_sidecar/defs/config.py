@@ -59,6 +59,7 @@ from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resize
 from fixed_res_sidecar.shards.verify import VerifyOptions
 
 DATASETS_ENV = "SIDECAR_DATASETS"
+DEFAULT_SHARDS_PER_RUN = 8  # see the README's performance section for the measurement behind it
 DEFAULT_DATASETS_FILE = "datasets.yaml"  # in the current folder, when SIDECAR_DATASETS is not set
 
 # Dagster job, sensor and group names allow [A-Za-z0-9_]; asset keys and partition set names
@@ -171,6 +172,9 @@ class DatasetConfig(_Strict):
     background: tuple[int, int, int] | None = _PIXEL_DEFAULTS.background  # composite transparency on this colour
     limits: LimitsConfig = LimitsConfig()
     threads_per_shard: int = Field(1, ge=1, le=256)
+    # Shards one run builds (a backfill's runs and the discovery sensor's): fewer runs, less overhead
+    # per shard; the shards of a run are built in parallel within run_resources.cpu.
+    shards_per_run: int = Field(DEFAULT_SHARDS_PER_RUN, ge=1, le=1000)
     run_resources: RunResources = RunResources()
     sensor: SensorConfig = SensorConfig()
     verify_sample: int = Field(32, ge=0)  # images decoded per shard and resolution

@@ -5,6 +5,7 @@ the dataset audit ask here.
 """
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -32,6 +33,73 @@ def check_statuses(
     """(check key text, shard) -> latest execution status (SUCCEEDED, FAILED, PLANNED, ...)."""
     infos = instance.event_log_storage.get_asset_check_partition_info(list(check_keys), partition_keys=list(rels))
     return {(info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value for info in infos}
+
+
+# Materialization metadata of a verifier and of crop_bbox: the fingerprint of the output they checked.
+VERIFIED_FINGERPRINT = "verified_fingerprint"
+
+
+@dataclass
+class Recorded:
+    """What the event log says of a shard's selected stages: every result passed on the latest build."""
+
+    results: dict[dg.AssetCheckKey, tuple[bool, str, Any]]  # check -> (passed, description, target data)
+    fingerprints: dict[str, str | None]  # output name -> fingerprint of the object the checks read
+
+
+def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, stages) -> Recorded | None:
+    """The check results on record for the selected stages of shard `rel`, when they all passed and
+    still describe the latest materializations (each after what it depends on); else None."""
+    from fixed_res_sidecar.defs.checks import target_data
+    from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS
+
+    latest = {
+        key: latest_materialization(instance, key, rel)
+        for key in [*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox]
+    }
+    checked: dict[dg.AssetKey, tuple[str, ...]] = {}
+    for resolution in {*stages.resize, *stages.verify}:
+        if latest[keys.resized(resolution)] is None:
+            return None
+    for resolution in stages.verify:
+        resized, verified = latest[keys.resized(resolution)], latest[keys.verify(resolution)]
+        if verified is None or verified.storage_id < resized.storage_id:
+            return None
+        checked[keys.verify(resolution)] = RESIZED_CHECKS
+    if stages.crop:  # the sidecar is current only after verifications that are current themselves
+        chain = [(latest[keys.resized(r)], latest[keys.verify(r)], latest[keys.crop_bbox]) for r in RESOLUTIONS]
+        if any(None in links or not links[0].storage_id < links[1].storage_id < links[2].storage_id for links in chain):
+            return None
+        checked[keys.crop_bbox] = CROP_BBOX_CHECKS
+    results, fingerprints = {}, {}
+    for asset, names in checked.items():
+        target = latest[asset]
+        recorded = target.asset_materialization.metadata.get(VERIFIED_FINGERPRINT)
+        output = "crop_bbox" if asset == keys.crop_bbox else f"resized_{asset.path[-1].removeprefix('verify_')}"
+        fingerprints[output] = recorded.value if recorded is not None else None
+        for name in names:
+            check_key = dg.AssetCheckKey(asset, name)
+            evaluation = latest_evaluation(instance, check_key, rel)
+            checked_id = getattr(evaluation and evaluation.target_materialization_data, "storage_id", None)
+            if evaluation is None or not evaluation.passed or checked_id != target.storage_id:
+                return None
+            results[check_key] = (True, evaluation.description or "passed", target_data(target))
+    if stages.crop:  # the sidecar was made from the resized shards its verifiers read: they must be unchanged too
+        for resolution in RESOLUTIONS:
+            recorded = latest[keys.verify(resolution)].asset_materialization.metadata.get(VERIFIED_FINGERPRINT)
+            fingerprints[f"resized_{resolution}"] = recorded.value if recorded is not None else None
+    return Recorded(results, fingerprints)
+
+
+def latest_evaluation(instance: dg.DagsterInstance, check_key: dg.AssetCheckKey, rel: str):
+    """The latest completed result of a check for shard `rel` (a run in progress plans checks first)."""
+    from dagster._core.event_api import PartitionKeyFilter
+    from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus as Status
+
+    records = instance.event_log_storage.get_asset_check_execution_history(
+        check_key, limit=1, status={Status.SUCCEEDED, Status.FAILED}, partition_filter=PartitionKeyFilter(key=rel)
+    )
+    return records[0].evaluation if records else None
 
 
 def unverified_resized_problems(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str) -> list[str]:

@@ -64,12 +64,9 @@ class DatasetKeys:
         return f"{self.dataset}__automation"
 
     @property
-    def resized_op(self) -> str:
-        return f"{self.dataset}__resized"
-
-    @property
-    def crop_bbox_op(self) -> str:
-        return f"{self.dataset}__crop_bbox"
+    def shard_op(self) -> str:
+        """The one step that resizes, verifies and crops the shards of a run."""
+        return f"{self.dataset}__shards"
 
     @cached_property
     def audit(self) -> dg.AssetKey:

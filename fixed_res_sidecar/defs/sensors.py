@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import dagster as dg
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs.config import DatasetConfig
@@ -136,14 +137,19 @@ def main_materializations(
     ]
 
 
-def shard_run_request(dataset: DatasetConfig, rel: str) -> dg.RunRequest:
-    """One run that resizes, verifies and crops shard `rel` (the dataset's shard job)."""
-    return dg.RunRequest(
-        run_key=f"shard:{rel}",
-        partition_key=rel,
-        job_name=DatasetKeys(dataset.name).shard_job,
-        tags=dataset_run_tags(dataset),
-    )
+def shard_run_requests(dataset: DatasetConfig, rels: list[str]) -> list[dg.RunRequest]:
+    """Runs that resize, verify and crop `rels` (new partitions, in the order they were added), at most
+    `shards_per_run` consecutive shards each: a run covers one range of partitions."""
+    job, tags = DatasetKeys(dataset.name).shard_job, dataset_run_tags(dataset)
+    requests = []
+    for start in range(0, len(rels), dataset.shards_per_run):
+        first, last = rels[start], rels[min(start + dataset.shards_per_run, len(rels)) - 1]
+        if first == last:
+            requests.append(dg.RunRequest(run_key=f"shard:{first}", partition_key=first, job_name=job, tags=tags))
+        else:
+            range_tags = {ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last}
+            requests.append(dg.RunRequest(run_key=f"shards:{first}:{last}", job_name=job, tags={**tags, **range_tags}))
+    return requests
 
 
 def discovery_tick(
@@ -173,7 +179,7 @@ def discovery_tick(
     if log is not None:
         log.info(f"{len(found.new)} new shard(s) under {dataset.main.uri}; first: {found.new[0]!r}")
     return dg.SensorResult(
-        run_requests=[shard_run_request(dataset, rel) for rel in found.new],
+        run_requests=shard_run_requests(dataset, found.new),
         dynamic_partitions_requests=add_requests(shard_partitions(keys), found.new),
         asset_events=main_materializations(keys, dataset.main, found.new, observe_threads),
         cursor=found.cursor.to_json(),

@@ -185,6 +185,24 @@ class Location:
         with self.open_input(rel) as f:
             return f.read()
 
+    def fingerprint(self, rel: str) -> str | None:
+        """What changes when the object at `rel` is rewritten: size and modification time locally, size and
+        ETag on S3 (one stat or HEAD; nothing is read). None when it does not exist."""
+        rel = _check_rel(rel)
+        if self.is_s3:
+            try:
+                head = s3_client().head_object(Bucket=self.bucket, Key=self._key(rel))
+            except s3_client().exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return None
+                raise
+            return f"{head['ContentLength']}:{head['ETag'].strip(chr(34))}"
+        try:
+            stat = os.stat(Path(self.path, rel))
+        except FileNotFoundError:
+            return None
+        return f"{stat.st_size}:{stat.st_mtime_ns}"
+
     def link(self, rel: str, expires_seconds: int = 7 * 24 * 3600) -> str:
         """Where a person can open `rel`: a presigned HTTPS URL on S3 (at most 7 days), else the local path."""
         if not self.is_s3:

@@ -53,9 +53,16 @@ def audited_demo(tmp_path_factory) -> Path:
         swap_two_keys(dataset.output("resized_512"), DAMAGED)
         with dg.DagsterInstance.from_config(str(summary.dagster_home)) as instance:
             job = defs.resolve_job_def(KEYS.shard_job)
-            for selection, ok in (([KEYS.verify("512")], False), ([KEYS.crop_bbox], True)):  # verify fails, crop refused
+            for selection, ok in (
+                ([KEYS.verify("512")], False),
+                ([KEYS.crop_bbox], True),
+            ):  # verify fails, crop refused
                 result = job.execute_in_process(
-                    partition_key=DAMAGED, instance=instance, asset_selection=selection, raise_on_error=False, run_config=QUIET
+                    partition_key=DAMAGED,
+                    instance=instance,
+                    asset_selection=selection,
+                    raise_on_error=False,
+                    run_config=QUIET,
                 )
                 assert result.success is ok
             defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
@@ -69,7 +76,9 @@ def audited_demo(tmp_path_factory) -> Path:
 def ui(audited_demo):
     """`sidecar-ops ui --detach` on the demo; stopped (with everything it started) at the end."""
     port = free_port()
-    started = sidecar_ops("ui", "--workdir", str(audited_demo), "--port", str(port), "--detach", cwd=audited_demo.parent)
+    started = sidecar_ops(
+        "ui", "--workdir", str(audited_demo), "--port", str(port), "--detach", cwd=audited_demo.parent
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
     pid = int((audited_demo / "dagster_home" / "dagster-dev.pid").read_text())

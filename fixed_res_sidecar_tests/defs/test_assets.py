@@ -13,6 +13,7 @@ from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar_tests.defs.conftest import (
+    QUIET,
     TINY_ROWS,
     TINY_SHARDS,
     check_partition_status,
@@ -103,10 +104,10 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     assert crop["passed"] and "data:image/webp;base64," in crop["overlays"]
     assert Path(crop["overlay_full_size"]).is_file()  # locally, the path of the full-size picture
 
-    # A second run of the shard keeps the outputs (skip-existing) and passes again.
+    # A second run of the shard builds nothing (its outputs are up to date) and restates its results.
     again = run_shard(tiny_defs, instance, "tiny__shard", rel)
-    assert again.success and metadata_of(again, KEYS.resized("1024"))["status"] == "skipped"
-    assert metadata_of(again, KEYS.crop_bbox)["status"] == "skipped"
+    assert again.success and not materialized(again)
+    assert all(e.passed and "restated_from_run" in e.metadata for e in again.get_asset_check_evaluations())
 
 
 def test_one_shard_end_to_end_on_s3(s3_env, s3_bucket, instance):
@@ -153,15 +154,19 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     config = make_config(dataset_entry("tiny", main, tmp_path / "out"))
     register(instance, config)
     result = run_shard(build_definitions(config), instance, "tiny__shard", "broken.parquet")
-    assert not result.success
-    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "broken.parquet is not a readable Parquet file" in failure.event_specific_data.error.to_string()
-    assert not materialized(result)
+    assert not result.success  # its blocking checks failed
+    failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
+    assert len(failed) == 8 and all(e.partition == "broken.parquet" for e in failed)
+    assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
+    assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
+    refusal(result, "broken.parquet", run_succeeded=False)
 
 
-def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
+def refusal(result: dg.ExecuteInProcessResult, rel: str, run_succeeded: bool = True) -> str:
     """The reason a crop_bbox run refused shard `rel`: nothing materialised, an observation says why."""
-    assert result.success and KEYS.crop_bbox not in materialized(result)
+    assert result.success is run_succeeded
+    crops = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
+    assert not [m for m in crops if m.asset_key == KEYS.crop_bbox and m.partition == rel]
     (observation,) = [e.asset_observation_data.asset_observation for e in result.get_asset_observation_events()]
     assert observation.asset_key == KEYS.crop_bbox and observation.partition == rel
     assert observation.metadata["gate"].value == "refused: nothing built"
@@ -199,10 +204,7 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
 
     # In the same run: the whole shard job; the damaged shard stops at its verifier.
     bad_run = run_shard(tiny_defs, instance, "tiny__shard", bad)
-    assert not bad_run.success
-    assert KEYS.crop_bbox not in materialized(bad_run)
-    started = {e.step_key for e in bad_run.all_events if e.event_type_value == "STEP_START"}
-    assert "tiny__verify_512" in started and "tiny__crop_bbox" not in started  # never started
+    assert "keys_match" in refusal(bad_run, bad, run_succeeded=False)  # no crop_bbox, and why
     good_run = run_shard(tiny_defs, instance, "tiny__shard", good)
     assert good_run.success and KEYS.crop_bbox in materialized(good_run)
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {good}
@@ -253,3 +255,78 @@ def test_without_overlays_the_overlay_check_is_not_declared(tiny_main, tmp_path,
     graph = build_definitions(config).resolve_asset_graph()
     names = {k.name for k in graph.asset_check_keys if k.asset_key == KEYS.crop_bbox}
     assert names == set(verify.CROP_BBOX_CHECKS)
+
+
+ALL_CHECK_KEYS = [
+    *RESIZED_CHECK_KEYS,
+    *(dg.AssetCheckKey(KEYS.crop_bbox, name) for name in verify.CROP_BBOX_CHECKS),
+]
+
+
+def run_batch(defs: dg.Definitions, instance, first: str, last: str) -> dg.ExecuteInProcessResult:
+    """A run of the shard job over the partitions first..last (in the order they were added)."""
+    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+    return defs.resolve_job_def("tiny__shard").execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        run_config=QUIET,
+        tags={ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last},
+    )
+
+
+def output_files(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*") if p.is_file()}
+
+
+def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path):
+    main = Location.parse(tmp_path / "main")
+    shards = ["b1.parquet", "b2.parquet", "b3.parquet"]
+    write_tiny(main, shards=shards)
+    entry = dataset_entry("tiny", main, tmp_path / "out", shards_per_run=3, run_resources={"cpu": 2, "memory_gb": 2})
+    config = make_config(entry)
+    defs, dataset = build_definitions(config), config.datasets[0]
+    damaged = shards[1]
+    with dg.instance_for_test() as instance:
+        register(instance, config)
+        order = instance.get_dynamic_partitions("tiny_shards")
+        assert run_shard(defs, instance, "tiny__shard", damaged, selection=[KEYS.resized("512")]).success
+        swap_two_keys(dataset.output("resized_512"), damaged)  # same rows and settings: skip-existing keeps it
+
+        batch = run_batch(defs, instance, order[0], order[-1])
+        assert not batch.success  # one shard failed a blocking check
+        assert {e.partition for e in batch.get_asset_check_evaluations()} == set(shards)
+        batch_statuses = check_partition_status(instance, ALL_CHECK_KEYS, shards)
+        assert instance.get_materialized_partitions(KEYS.crop_bbox) == set(shards) - {damaged}
+        assert "keys_match" in refusal(batch, damaged, run_succeeded=False)
+
+    # Exactly what one-shard runs record (a fresh instance; the same outputs are kept).
+    with dg.instance_for_test() as single:
+        register(single, config)
+        for rel in shards:
+            run_shard(defs, single, "tiny__shard", rel)
+        assert check_partition_status(single, ALL_CHECK_KEYS, shards) == batch_statuses
+    good = {(k.to_user_string(), rel): "SUCCEEDED" for k in ALL_CHECK_KEYS for rel in shards if rel != damaged}
+    assert {key: status for key, status in batch_statuses.items() if key[1] != damaged} == good
+    assert batch_statuses[("tiny/verify_512:keys_match", damaged)] == "FAILED"
+    assert batch_statuses[("tiny/verify_1024:keys_match", damaged)] == "SUCCEEDED"
+    assert "SUCCEEDED" not in {s for (name, rel), s in batch_statuses.items() if rel == damaged and "crop_bbox" in name}
+
+
+def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, instance):
+    main = Location.parse(tmp_path / "main")
+    write_tiny(main, shards=["c1.parquet", "c2.parquet"])
+    config = make_config(dataset_entry("tiny", main, tmp_path / "out", shards_per_run=2))
+    defs = build_definitions(config)
+    register(instance, config)
+    order = instance.get_dynamic_partitions("tiny_shards")
+    first = run_batch(defs, instance, order[0], order[-1])
+    assert first.success and len(first.get_asset_check_evaluations()) == 2 * 13
+    before = output_files(tmp_path / "out")
+
+    again = run_batch(defs, instance, order[0], order[-1])
+    assert again.success and not again.get_asset_materialization_events()  # nothing built or re-verified
+    assert output_files(tmp_path / "out") == before
+    restated = again.get_asset_check_evaluations()
+    assert len(restated) == 2 * 13 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
+    assert set(check_partition_status(instance, ALL_CHECK_KEYS, order).values()) == {"SUCCEEDED"}

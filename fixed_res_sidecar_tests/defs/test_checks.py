@@ -3,7 +3,7 @@
 import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.defs.checks import check_results, examples_table, metadata_value
+from fixed_res_sidecar.defs.checks import check_evaluations, examples_table, metadata_value
 from fixed_res_sidecar.shards import verify
 
 KEY = dg.AssetKey(["ds", "verify_512"])
@@ -37,7 +37,11 @@ def resized_report(**changes) -> verify.ShardReport:
 
 
 def test_one_result_per_spec7_item_with_counts_and_examples():
-    results = {r.check_name: r for r in check_results(resized_report(), KEY, verify.RESIZED_CHECKS)}
+    results = {
+        r.check_name: r
+        for r in check_evaluations(resized_report(), KEY, verify.RESIZED_CHECKS, "a/part-0.parquet", None)
+    }
+    assert {r.partition for r in results.values()} == {"a/part-0.parquet"} and all(r.blocking for r in results.values())
     assert list(results) == list(verify.RESIZED_CHECKS)
     assert results[verify.SHARD_COMPLETE].passed and results[verify.AUDIT_CONSISTENT].passed
     failed = results[verify.KEYS_MATCH]

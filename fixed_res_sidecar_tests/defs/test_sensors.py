@@ -6,6 +6,7 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
@@ -32,6 +33,19 @@ def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str 
     return sensor(context)
 
 
+def requested(result: dg.SensorResult) -> list[str]:
+    """The shards a tick's run requests cover, in order: a request is one shard, or a range of new ones."""
+    new = [k for r in result.dynamic_partitions_requests or [] for k in r.partition_keys]
+    shards = []
+    for request in result.run_requests or []:
+        if request.partition_key is not None:
+            shards.append(request.partition_key)
+        else:
+            first, last = request.tags[ASSET_PARTITION_RANGE_START_TAG], request.tags[ASSET_PARTITION_RANGE_END_TAG]
+            shards += new[new.index(first) : new.index(last) + 1]
+    return shards
+
+
 def write_stub_shards(location: Location, rels) -> None:
     """Minimal shards: discovery reads footers only."""
     table = pa.table({"image_key": ["k0", "k1"], "image": pa.array([b"x", None], pa.binary())})
@@ -50,10 +64,10 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
     expected = sorted(TINY_SHARDS)
     assert [k for r in first.dynamic_partitions_requests for k in r.partition_keys] == expected
     assert {r.partitions_def_name for r in first.dynamic_partitions_requests} == {"tiny_shards"}
-    assert [r.partition_key for r in first.run_requests] == expected
-    assert {r.job_name for r in first.run_requests} == {"tiny__shard"}
-    assert len({r.run_key for r in first.run_requests}) == 2
-    tags = first.run_requests[0].tags
+    (batch,) = first.run_requests  # both new shards in one run (shards_per_run is 8)
+    assert batch.job_name == "tiny__shard" and batch.partition_key is None
+    assert (batch.tags[ASSET_PARTITION_RANGE_START_TAG], batch.tags[ASSET_PARTITION_RANGE_END_TAG]) == tuple(expected)
+    tags = batch.tags
     assert tags[DATASET_TAG] == "tiny"
     k8s = json.loads(tags["dagster-k8s/config"])
     assert k8s["container_config"]["resources"]["requests"] == {"cpu": "2", "memory": "3Gi"}
@@ -73,7 +87,7 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
 
     write_tiny(tiny_main, shards=("nested/y/part-c.parquet",))
     third = tick(sensor, instance, second.cursor)
-    assert [r.partition_key for r in third.run_requests] == ["nested/y/part-c.parquet"]
+    assert requested(third) == ["nested/y/part-c.parquet"]
     assert [k for r in third.dynamic_partitions_requests for k in r.partition_keys] == ["nested/y/part-c.parquet"]
     apply_sensor_result(instance, third)
     assert len(instance.get_dynamic_partitions("tiny_shards")) == 3
@@ -94,14 +108,14 @@ def test_ticks_are_bounded_and_the_cursor_continues_the_listing(tmp_path, instan
     cursor, added = None, []
     for expected in (["p0.parquet", "p1.parquet"], ["p2.parquet", "p3.parquet"], ["p4.parquet"]):
         result = tick(sensor, instance, cursor)
-        assert [r.partition_key for r in result.run_requests] == expected
+        assert requested(result) == expected
         added += apply_sensor_result(instance, result)
         cursor = result.cursor
     assert ShardCursor.parse(cursor) == ShardCursor(after=None, passes=1)
     # A shard that appears before the resume point is found by the next full pass.
     write_stub_shards(main, ["a-early.parquet"])
     result = tick(sensor, instance, cursor)
-    assert [r.partition_key for r in result.run_requests] == ["a-early.parquet"]
+    assert requested(result) == ["a-early.parquet"]
     assert ShardCursor.parse(result.cursor).passes == 2
 
 
@@ -122,7 +136,7 @@ def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
 
     log = Log()
     result = discovery_tick(dataset, set(), None, log=log)
-    assert [r.partition_key for r in result.run_requests] == ["good.parquet"]
+    assert requested(result) == ["good.parquet"]
     assert len(log.errors) == 2
     assert any("'bad,name.parquet'" in e and "','" in e for e in log.errors)
     assert any("'odd...name.parquet'" in e and "'...'" in e for e in log.errors)
@@ -142,7 +156,7 @@ def test_discovery_on_s3_pages_through_the_listing(s3_bucket, instance):
     assert rest.new == rels[3:] and rest.complete
     dataset = make_config(dataset_entry("s3ds", main, f"s3://{s3_bucket}/datasets/out")).datasets[0]
     result = tick(discovery_sensor(dataset), instance, None)
-    assert [r.partition_key for r in result.run_requests] == rels
+    assert requested(result) == rels
     assert {e.metadata["dagster/row_count"].value for e in result.asset_events} == {2}
 
 
@@ -153,7 +167,7 @@ def test_unreadable_shard_is_observed_with_its_error(tmp_path):
     result = discovery_tick(dataset, set(), None)
     (event,) = result.asset_events
     assert "error" in event.metadata and "dagster/row_count" not in event.metadata
-    assert [r.partition_key for r in result.run_requests] == ["broken.parquet"]  # its run reports the failure
+    assert requested(result) == ["broken.parquet"]  # its run reports the failure
 
 
 def test_sensor_statuses(tiny_config, tmp_path, tiny_main):

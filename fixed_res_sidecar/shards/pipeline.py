@@ -1,0 +1,164 @@
+"""One shard through the stages a run asks for: resize, verify, crop (with overlays).
+
+This is what one partition of a dataset's Dagster assets is. It runs in a worker process as
+well as in the caller's (arguments and results pickle), and it raises only for what is not the
+data's fault (a storage failure, a crash): a shard that cannot be read or fails its checks is
+an outcome to record, so one shard of a batch never stops the others.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.io.parquet import ShardError
+from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout
+from fixed_res_sidecar.shards.overlay import write_overlays
+from fixed_res_sidecar.shards.resize import ShardResult, build_resized_shard
+from fixed_res_sidecar.shards.verify import (
+    ShardReport,
+    VerifyOptions,
+    verify_crop_bbox_shard,
+    verify_resized_shard,
+    write_report,
+)
+
+MESSAGE_CHARS = 500
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What to do for a shard: which resolutions to resize and to verify, and whether to crop."""
+
+    resize: tuple[str, ...] = ()
+    verify: tuple[str, ...] = ()
+    crop: bool = False
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    pixels: PixelOptions = field(default_factory=PixelOptions)
+    verify: VerifyOptions = field(default_factory=VerifyOptions)
+    threads: int = 1
+    skip_existing: bool = True
+    overlay_sample: int = 0  # overlay pictures per shard; 0 draws none
+
+
+@dataclass
+class ShardOutcome:
+    """What happened to one shard; `problem` fields hold why a stage produced nothing."""
+
+    rel: str
+    resized: ShardResult | None = None
+    resize_problem: str | None = None
+    reports: dict[str, ShardReport] = field(default_factory=dict)  # resolution -> verifier report
+    report_paths: dict[str, str] = field(default_factory=dict)  # "512", "1024", "crop_bbox" -> report URI
+    crop: CropBboxResult | None = None
+    crop_report: ShardReport | None = None
+    crop_refused: list[str] = field(default_factory=list)  # why the gate refused the sidecar
+    crop_problem: str | None = None
+    overlays: list[str] = field(default_factory=list)
+    overlay_problem: str | None = None
+    # output name ("resized_512", "crop_bbox") -> its fingerprint when it was verified here
+    fingerprints: dict[str, str | None] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run_stages(
+    layout: DatasetLayout,
+    rel: str,
+    stages: Stages,
+    options: PipelineOptions = PipelineOptions(),
+    recorded_gate_problems: list[str] | None = None,
+) -> ShardOutcome:
+    """Run `stages` for shard `rel`.
+
+    The crop stage is gated (SPEC 7): on this run's verifier reports when both resolutions are
+    verified here, else on `recorded_gate_problems` (what the caller knows from earlier runs;
+    None when it knows nothing, which refuses).
+    """
+    started = time.monotonic()
+    outcome = ShardOutcome(rel)
+    if stages.resize:
+        try:
+            outcome.resized = build_resized_shard(
+                layout,
+                rel,
+                resolutions=stages.resize,
+                options=options.pixels,
+                threads=options.threads,
+                skip_existing=options.skip_existing,
+            )
+        except ShardError as exc:  # the data's fault: the verifier records it per check
+            outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
+    for resolution in stages.verify:
+        outcome.fingerprints[f"resized_{resolution}"] = layout.resized[resolution].location.fingerprint(rel)
+        report = verify_resized_shard(layout, rel, resolution, options.verify)
+        outcome.reports[resolution] = report
+        reports = layout.report_location(f"resized_{resolution}")
+        outcome.report_paths[resolution] = reports.child(write_report(reports, rel, report, protect=layout.read_only))
+    if stages.crop:
+        _crop(layout, rel, stages, options, recorded_gate_problems, outcome)
+    outcome.seconds = time.monotonic() - started
+    return outcome
+
+
+def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome) -> None:
+    if set(stages.verify) == set(layout.resized):
+        outcome.crop_refused = [
+            f"{report.shard} did not pass the verifier: {', '.join(c.name for c in report.failed_checks)} "
+            f"({report.failed_checks[0].message})"
+            for report in outcome.reports.values()
+            if not report.passed
+        ]
+    elif recorded_gate_problems is None:
+        outcome.crop_refused = ["no verification of this shard is known"]
+    else:
+        outcome.crop_refused = list(recorded_gate_problems)
+    if outcome.crop_refused:
+        return
+    try:
+        outcome.crop = build_crop_bbox_shard(layout, rel, skip_existing=options.skip_existing)
+    except ShardError as exc:
+        outcome.crop_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
+        return
+    outcome.fingerprints["crop_bbox"] = layout.sidecar.fingerprint(rel)
+    outcome.crop_report = verify_crop_bbox_shard(layout, rel)
+    reports = layout.report_location("crop_bbox")
+    outcome.report_paths["crop_bbox"] = reports.child(
+        write_report(reports, rel, outcome.crop_report, protect=layout.read_only)
+    )
+    if options.overlay_sample > 0:
+        try:
+            outcome.overlays = write_overlays(layout, rel, layout.report_location("overlays"), options.overlay_sample)
+        except Exception as exc:  # noqa: BLE001 - pictures are for people: the checks decide pass or fail
+            outcome.overlay_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
+
+
+def fingerprints_match(layout: DatasetLayout, rel: str, recorded: dict[str, str | None]) -> bool:
+    """Whether every output named in `recorded` ("resized_512", "crop_bbox") is still the object that
+    was verified (same fingerprint): one stat or HEAD each."""
+    locations = {**{f"resized_{name}": o.location for name, o in layout.resized.items()}, "crop_bbox": layout.sidecar}
+    return all(value is not None and locations[name].fingerprint(rel) == value for name, value in recorded.items())
+
+
+def outputs_up_to_date(layout: DatasetLayout, rel: str, stages: Stages, options: PipelineOptions) -> bool:
+    """Whether every output `stages` would write for `rel` is already there with the current settings
+    (SPEC 2's skip rule, from footers alone: no image is read)."""
+    from fixed_res_sidecar.io.parquet import open_shard
+    from fixed_res_sidecar.shards.crop_bbox import crop_bbox_settings
+    from fixed_res_sidecar.shards.resize import build_settings
+    from fixed_res_sidecar.shards.settings import is_up_to_date, read_settings
+
+    rows = open_shard(layout.main, rel, "main").metadata.num_rows
+    for name in {*stages.resize, *stages.verify}:
+        output = layout.resized[name]
+        settings = build_settings(output, options.pixels, layout.key_column, layout.image_column)
+        if not is_up_to_date(output.location, rel, rows, settings):
+            return False
+    if stages.crop:
+        recorded = {name: read_settings(output.location.parquet_file(rel)) for name, output in layout.resized.items()}
+        if not is_up_to_date(layout.sidecar, rel, rows, crop_bbox_settings(layout, recorded)):
+            return False
+    return True
