@@ -20,6 +20,7 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.defs.conftest import QUIET, dataset_entry, make_config
+from fixed_res_sidecar_tests.fixtures.faulty_s3 import copy_files, first_get_of_each_key
 
 KEY = dg.AssetKey(["ds", "verify_512"])
 
@@ -179,3 +180,17 @@ def test_dataset_check_metadata_stays_small_and_lists_main_once(tmp_path, monkey
     # No list in the stored metadata is longer than LISTED_MISSING; the last shards are named nowhere.
     stored = json.dumps({k: v.value for k, v in to_metadata(metadata).items()})
     assert rels[-1] not in stored
+
+
+def test_dataset_check_rides_out_injected_s3_errors(sample_build, faulty_s3, s3_bucket):
+    """Listings (boto3, with its retries) answered 500/503 the first time: the same summary."""
+    main, outputs = sample_build
+    root = f"s3://{s3_bucket}/lake"
+    copy_files(main, Location.parse(f"{root}/main"))
+    copy_files(outputs[0].location, Location.parse(f"{root}/out/0_262mp_version_all_in_one/sample"))
+    dataset = make_config(dataset_entry("sample", f"{root}/main", f"{root}/out")).datasets[0]
+    clean = summarize_dataset(dataset)
+    faulty_s3.inject(first_get_of_each_key)
+    assert summarize_dataset(dataset) == clean
+    assert [key for key, _ in faulty_s3.faults] == [s3_bucket]  # the listings of one bucket: the first one failed
+    assert clean[1]["512_shards"] == 3 and clean[1]["1024_missing"] == 3
