@@ -2,4 +2,5 @@ pytest_plugins = [
     "fixed_res_sidecar_tests.fixtures.images",
     "fixed_res_sidecar_tests.fixtures.datasets",
     "fixed_res_sidecar_tests.fixtures.s3",
+    "fixed_res_sidecar_tests.fixtures.faulty_s3",
 ]

@@ -5,6 +5,7 @@ import sys
 from fixed_res_sidecar.io.locations import Location
 
 SYMLINKS_LISTED = 20
+STORAGE_FAILED = 3  # exit status: storage kept failing, nothing was decided about the data; rerun
 
 
 class UsageError(ValueError):
@@ -14,6 +15,12 @@ class UsageError(ValueError):
 def usage_error(message: object) -> int:
     print(f"sidecar-ops: error: {message}", file=sys.stderr)
     return 2
+
+
+def storage_failed(problem: object) -> int:
+    """Report storage that kept failing (after retries); the command can be rerun as it is."""
+    print(f"sidecar-ops: storage failed (after retries), rerun: {problem}", file=sys.stderr)
+    return STORAGE_FAILED
 
 
 def main_shards(main: Location) -> list[str]:

@@ -2,17 +2,19 @@
 
 SPEC 7 gate: a shard's sidecar is built only after both of its resized shards pass the
 verifier (`verify_resized_shard`, with `--verify-sample` images decoded per resolution);
-otherwise that shard fails, naming the failed checks, and the others go on.
+otherwise that shard fails, naming the failed checks, and the others go on. A shard whose
+storage kept failing (after retries) fails naming the object it could not read, not the gate.
 """
 
 import argparse
 import functools
 import sys
 
-from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import check_positive, main_shards, storage_failed, symlink_report, usage_error
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.runner import Progress, RunSummary, run_shards
@@ -105,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
+    except StorageError as exc:
+        return storage_failed(exc)
 
     verify_options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.verify_sample)
     gate = functools.partial(require_verified, layout, options=verify_options)

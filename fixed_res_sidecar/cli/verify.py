@@ -3,6 +3,9 @@
 Both print a short summary (counts, a few invalid examples, every failed check with its
 shard) and exit 0 only when every check on every shard passed. `--report FILE` writes
 the full JSON: per-shard reports and the dataset summary.
+
+A shard whose storage kept failing (after retries) has no report: it is listed as not
+checked, and the exit status is 3 (STORAGE_FAILED) unless a check failed elsewhere (1).
 """
 
 import json
@@ -11,12 +14,20 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import (
+    STORAGE_FAILED,
+    check_positive,
+    main_shards,
+    storage_failed,
+    symlink_report,
+    usage_error,
+)
 from fixed_res_sidecar.cli.crop_bbox import sidecar_layout
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS, area_for_audit_prefix
 from fixed_res_sidecar.io.locations import Location, LocationError, check_writable
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
 from fixed_res_sidecar.shards.overlay import write_overlays
@@ -114,12 +125,21 @@ def run_verify_resized(args) -> int:
         shards = _shards(layout.main, args.shard)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
+    except StorageError as exc:
+        return storage_failed(exc)
 
     options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.sample)
-    reports = _run_all(shards, lambda rel: verify_resized_shard(layout, rel, output.resolution, options), args.threads)
-    summary = dataset_summary(layout.main, {output.resolution: output.location})
+    checked = _run_all(
+        shards,
+        _storage_guarded(lambda rel: verify_resized_shard(layout, rel, output.resolution, options)),
+        args.threads,
+    )
+    try:
+        summary = dataset_summary(layout.main, {output.resolution: output.location})
+    except StorageError as exc:
+        return storage_failed(exc)
     header = f"verify-resized {output.location.uri} (area {area}, audit {args.audit_prefix}) against {layout.main.uri}"
-    return _finish("verify-resized", header, reports, summary, args.report, layout)
+    return _finish("verify-resized", header, checked, summary, args.report, layout)
 
 
 def run_verify_crop_bbox(args) -> int:
@@ -134,32 +154,55 @@ def run_verify_crop_bbox(args) -> int:
         shards = _shards(layout.main, args.shard)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
+    except StorageError as exc:
+        return storage_failed(exc)
 
-    reports = _run_all(shards, lambda rel: verify_crop_bbox_shard(layout, rel), args.threads)
+    checked = _run_all(shards, _storage_guarded(lambda rel: verify_crop_bbox_shard(layout, rel)), args.threads)
     outputs = {name: output.location for name, output in layout.resized.items()}
-    summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
+    try:
+        summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
+    except StorageError as exc:
+        return storage_failed(exc)
     header = f"verify-crop-bbox {layout.sidecar.uri} against {layout.main.uri}"
     overlay_failures: dict[str, str] = {}
     if overlay_dir is not None:
-        written, overlay_failures = _draw_overlays(layout, shards, overlay_dir, args.overlay_sample, args.threads)
+        written, overlay_failures, storage = _draw_overlays(
+            layout, shards, overlay_dir, args.overlay_sample, args.threads
+        )
+        checked += [(f"{rel} (overlay pictures)", reason) for rel, reason in storage.items()]
         header += f"\noverlays: {written} picture(s) under {overlay_dir.uri}"
-    return _finish("verify-crop-bbox", header, reports, summary, args.report, layout, overlay_failures)
+    return _finish("verify-crop-bbox", header, checked, summary, args.report, layout, overlay_failures)
+
+
+def _storage_guarded(verify_shard: Callable[[str], ShardReport]) -> Callable[[str], tuple[str, ShardReport | str]]:
+    """`verify_shard` as rel -> (rel, its report, or why storage failed): such a shard has no report."""
+
+    def run(rel: str) -> tuple[str, ShardReport | str]:
+        try:
+            return rel, verify_shard(rel)
+        except StorageError as exc:
+            return rel, str(exc)
+
+    return run
 
 
 def _draw_overlays(
     layout: DatasetLayout, shards: list[str], overlay_dir: Location, sample: int, threads: int
-) -> tuple[int, dict[str, str]]:
-    """(pictures written, shard -> why its pictures could not be drawn)."""
+) -> tuple[int, dict[str, str], dict[str, str]]:
+    """(pictures written, shard -> why its pictures could not be drawn, shard -> why storage failed)."""
 
-    def draw(rel: str) -> tuple[str, list[str] | str]:
+    def draw(rel: str) -> tuple[str, list[str] | str | StorageError]:
         try:
             return rel, write_overlays(layout, rel, overlay_dir, sample)
+        except StorageError as exc:
+            return rel, exc
         except Exception as exc:  # noqa: BLE001 - a shard whose pictures cannot be drawn is reported, the others go on
             return rel, describe_exception(exc, max_chars=300)
 
     outcomes = _run_all(shards, draw, threads)
     failures = {rel: outcome for rel, outcome in outcomes if isinstance(outcome, str)}
-    return sum(len(outcome) for _, outcome in outcomes if isinstance(outcome, list)), failures
+    storage = {rel: str(outcome) for rel, outcome in outcomes if isinstance(outcome, StorageError)}
+    return sum(len(outcome) for _, outcome in outcomes if isinstance(outcome, list)), failures, storage
 
 
 def _check_report_path(path: str | None, layout: DatasetLayout) -> None:
@@ -189,15 +232,21 @@ def _run_all(shards: list[str], one: Callable[[str], T], threads: int) -> list[T
 def _finish(
     command: str,
     header: str,
-    reports: list[ShardReport],
+    checked: list[tuple[str, ShardReport | str]],
     summary: dict[str, Any],
     report_path: str | None,
     layout: DatasetLayout,
     overlay_failures: dict[str, str] | None = None,
 ) -> int:
-    passed = all(r.passed for r in reports)
+    reports = [outcome for _, outcome in checked if isinstance(outcome, ShardReport)]
+    storage_failures = {rel: outcome for rel, outcome in checked if isinstance(outcome, str)}
+    checks_failed = any(not r.passed for r in reports)
+    # None: nothing failed, but not everything could be checked, so no verdict.
+    passed = False if checks_failed else None if storage_failures else True
     print(header)
     _print_summary(reports, summary)
+    for rel, reason in sorted(storage_failures.items()):
+        print(f"STORAGE FAILED on {rel}, not checked: {reason}")
     for rel, reason in sorted((overlay_failures or {}).items()):
         print(f"OVERLAYS FAILED on {rel}: {reason}")
     if links := symlink_report(layout.main):
@@ -207,6 +256,7 @@ def _finish(
             "command": command,
             "passed": passed,
             "shards": [r.to_dict() for r in reports],
+            "storage_failures": storage_failures,  # shards not checked: no report claims they failed or passed
             "dataset": summary,
         }
         if overlay_failures is not None:
@@ -217,6 +267,9 @@ def _finish(
         except (OSError, ValueError) as exc:
             return usage_error(f"could not write the report {report_path}: {exc}")
         print(f"report: {report_path}")
+    if passed is None and not overlay_failures:
+        print(f"INCOMPLETE: storage kept failing (after retries) on {len(storage_failures)} shard(s); rerun")
+        return STORAGE_FAILED
     print("PASSED" if passed else "FAILED")
     return 0 if passed and not overlay_failures else 1
 

@@ -64,7 +64,7 @@ from fixed_res_sidecar.core.audit import AuditRecord
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 
 # Bump when the output of this module changes for the same input: skip-existing compares it.
-CROP_BBOX_VERSION = 1
+CROP_BBOX_VERSION = 2  # 2: the sidecar shard is written with page checksums
 
 DEFAULT_BBOX_KEYS = ("bbox", "box_2d", "bbox_2d")
 # The sidecar's columns besides the key (SPEC 6): one crop caption per resolution, and the meta.

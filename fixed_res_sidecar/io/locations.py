@@ -3,7 +3,9 @@
 Reads go through pyarrow's filesystem (random access, so Parquet is streamed by row
 group); listing and uploads go through boto3 (paginated listing, and an upload that
 either completes or leaves nothing). Both take S3 settings from the standard AWS chain,
-`AWS_ENDPOINT_URL` included, and retry transient errors with backoff.
+`AWS_ENDPOINT_URL` included, and retry transient errors with backoff; S3 reads also retry
+the one transient error pyarrow's client does not (io/retry.py). Reading or listing that
+still fails raises `StorageError`.
 """
 
 import contextlib
@@ -17,11 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.io.retry import RetryingFile, RetryPolicy, StorageError
+
 SHARD_SUFFIX = ".parquet"
 S3_MAX_ATTEMPTS = 10
+S3_READ_RETRY = RetryPolicy(S3_MAX_ATTEMPTS)  # the same attempts and backoff as boto3's standard mode
 STALE_TEMPORARY_SECONDS = 6 * 3600
 
 
@@ -127,7 +134,7 @@ class Location:
             pages = paginator.paginate(
                 Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}, **extra
             )
-            for page in pages:
+            for page in _storage_errors(pages, f"listing {self.uri}"):
                 entries = [(obj["Key"][len(prefix) :], obj["Size"]) for obj in page.get("Contents", [])]
                 entries = [(rel, size) for rel, size in entries if _is_shard(rel, suffix)]
                 if entries:
@@ -171,15 +178,32 @@ class Location:
         return self.size(rel) is not None
 
     def size(self, rel: str) -> int | None:
-        info = self.filesystem.get_file_info(self._fs_path(_check_rel(rel)))
+        """Bytes of the file at `rel`, None when there is none; StorageError when storage cannot say."""
+        path = self._fs_path(_check_rel(rel))
+        try:
+            info = self.filesystem.get_file_info(path)
+        except OSError as exc:
+            raise StorageError(f"storage failed looking up {self.child(rel)}: {describe_exception(exc, 300)}") from exc
         return info.size if info.type == pafs.FileType.File else None
 
-    def open_input(self, rel: str):
-        """A random-access file (pyarrow NativeFile) for `rel`."""
-        return self.filesystem.open_input_file(self._fs_path(_check_rel(rel)))
+    def open_input(self, rel: str) -> pa.NativeFile:
+        """A random-access file for `rel`. On S3 every read rides out transient errors with the
+        build's retry policy, and a read that keeps failing raises StorageError."""
+        path = self._fs_path(_check_rel(rel))
+        if not self.is_s3:
+            return self.filesystem.open_input_file(path)
+        try:
+            raw = self.filesystem.open_input_file(path)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"storage failed opening {self.child(rel)}: {describe_exception(exc, 300)}") from exc
+        return pa.PythonFile(RetryingFile(raw, self.child(rel), S3_READ_RETRY), mode="r")
 
     def parquet_file(self, rel: str) -> pq.ParquetFile:
-        return pq.ParquetFile(self.open_input(rel))
+        """`rel` as Parquet. Every page read is checked against its checksum, where the writer
+        stored one (ours do): a damaged page raises instead of returning wrong values."""
+        return pq.ParquetFile(self.open_input(rel), page_checksum_verification=True)
 
     def read_bytes(self, rel: str) -> bytes:
         with self.open_input(rel) as f:
@@ -316,6 +340,16 @@ def _refuse_protected_real_path(path: Path, protect: Sequence[Location]) -> None
                 f"refusing to write {path}: through symbolic links it is {real}, at, inside or above "
                 f"{protected.uri}, which is read-only"
             )
+
+
+def _storage_errors(items: Iterable, what: str) -> Iterator:
+    """`items`, with boto3's errors (raised after its own retries) as StorageError naming `what`."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield from items
+    except (BotoCoreError, ClientError) as exc:
+        raise StorageError(f"storage failed {what}: {describe_exception(exc, 300)}") from exc
 
 
 def _is_shard(rel: str, suffix: str) -> bool:

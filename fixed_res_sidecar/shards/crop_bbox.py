@@ -31,7 +31,7 @@ from fixed_res_sidecar.core.bbox import (
 )
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.io.parquet import ShardError, open_shard
+from fixed_res_sidecar.io.parquet import ShardError, iter_batches, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import (
     encode_settings,
@@ -197,11 +197,11 @@ def build_crop_bbox_shard(
     bbox_keys, caption_frame = layout.building_bbox_keys, layout.building_caption_frame
     with (
         output.write_atomic(rel, protect=[*layout.read_only, *(o.location for o in layout.resized.values())]) as tmp,
-        pq.ParquetWriter(tmp, schema, compression="zstd") as writer,
+        pq.ParquetWriter(tmp, schema, compression="zstd", write_page_checksum=True) as writer,
     ):
         pending: list[pa.RecordBatch] = []
         pending_rows = row_offset = 0
-        for batches in _aligned([_batches(i.shard, i.columns) for i in inputs]):
+        for batches in _aligned([iter_batches(i.shard, i.columns, i.uri, BATCH_ROWS) for i in inputs]):
             by_role = {i.role: batch for i, batch in zip(inputs, batches)}
             keys = by_role["main"].column(0)
             for source in inputs[1:]:
@@ -252,11 +252,6 @@ def _crop_columns(
             crops[name].append(row.crops[name])
         metas.append(row.meta_json())
     return [keys, *(pa.array(crops[name], pa.string()) for name in RESOLUTIONS), pa.array(metas, pa.string())]
-
-
-def _batches(shard: pq.ParquetFile, columns: list[str]) -> Iterator[pa.RecordBatch]:
-    # use_threads=False: the shards of a run are already processed in parallel.
-    return shard.iter_batches(batch_size=BATCH_ROWS, columns=columns, use_threads=False)
 
 
 def _aligned(sources: list[Iterator[pa.RecordBatch]]) -> Iterator[list[pa.RecordBatch]]:

@@ -40,7 +40,7 @@ OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
 SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
 # Bump when a code change alters output bytes or columns: skip-existing then rebuilds. Not the
 # package version, which would rebuild billions of images for unrelated releases.
-RESIZE_OUTPUT_VERSION = 1
+RESIZE_OUTPUT_VERSION = 2  # 2: page checksums
 
 
 @dataclass
@@ -144,6 +144,7 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, summaries, option
                 compression={name: "NONE" if name == image_column else "ZSTD" for name in schema.names},
                 use_dictionary=[key_column],
                 write_statistics=[key_column],
+                write_page_checksum=True,  # readers verify every page they read (a damaged file fails)
             )
             stack.callback(writer.close)
             writers.append(writer)

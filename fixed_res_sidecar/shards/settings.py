@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.io.parquet import ShardError, verify_page_checksums
 
 SETTINGS_KEY = b"fixed_res_sidecar.settings"
 
@@ -28,19 +29,31 @@ def read_settings(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
 
 
 def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, Any]) -> bool:
-    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match.
+    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match, and
+    every page of it reads and matches its checksum (a damaged shard is rebuilt).
 
-    A storage error while checking existence propagates (the shard fails and is retried);
-    it must not make a finished shard look missing and trigger a rebuild.
+    The checksum pass reads the whole shard (its bytes, no image is decoded), and only when the
+    footer already matches. A storage error (StorageError) propagates: the shard fails and is
+    retried; it must not make a finished shard look missing or damaged and trigger a rebuild.
     """
     if not location.exists(rel):
         return False
     try:
         existing = location.parquet_file(rel)
-        recorded_rows, recorded = existing.metadata.num_rows, read_settings(existing)
     except (OSError, ValueError, pa.ArrowException):  # unreadable or not Parquet: rebuild it
         return False
-    return recorded_rows == expected_rows and recorded == _normalised(settings)
+    with existing:
+        try:
+            recorded_rows, recorded = existing.metadata.num_rows, read_settings(existing)
+        except ValueError:  # recorded settings that are not JSON
+            return False
+        if recorded_rows != expected_rows or recorded != _normalised(settings):
+            return False
+        try:
+            verify_page_checksums(existing, location.child(rel))
+        except ShardError:
+            return False
+    return True
 
 
 def _normalised(settings: dict[str, Any]) -> dict[str, Any]:

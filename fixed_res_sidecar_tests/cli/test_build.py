@@ -13,7 +13,8 @@ from fixed_res_sidecar.cli.build import format_summary
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.runner import RunSummary
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, tree_snapshot
+from fixed_res_sidecar.shards.verify.report import sample_rows
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, damage_value, tree_snapshot
 
 SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
 
@@ -140,3 +141,35 @@ def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
 def test_summary_lists_failures_and_error_codes():
     assert "1 failed" in format_summary(RunSummary(failures={"x.parquet": "boom"}))
     assert "FAILED x.parquet: boom" in format_summary(RunSummary(failures={"x.parquet": "boom"}))
+
+
+def test_skip_existing_rebuilds_a_damaged_shard_and_only_it(sample_build):
+    """One image's bytes altered in a built 1024 shard, footer intact: verify-resized fails naming
+    the shard, `--skip-existing` rebuilds that output only, and it verifies clean again."""
+    main, (out_512, out_1024) = sample_build
+    rel = "nested/a/part-00001.parquet"
+    damaged = Path(out_1024.location.child(rel))
+    intact = damaged.read_bytes()
+    others = {path: (path.read_bytes(), path.stat().st_mtime_ns) for o in (out_512, out_1024)
+              for path in Path(o.location.path).rglob("*.parquet") if path != damaged}  # fmt: skip
+    table = pq.read_table(damaged, columns=["image", f"{out_1024.audit_prefix}_valid"])
+    valid = [row for row, flag in enumerate(table.column(1).to_pylist()) if flag]
+    row = next(r for r in valid if r not in sample_rows(valid, 1, rel))  # a row the image sample misses
+    damage_value(damaged, table.column("image")[row].as_py())
+    verify = ["verify-resized", "--main-prefix", main.uri, "--output-prefix", out_1024.location.uri,
+              "--key-column", "image_key", "--audit-prefix", out_1024.audit_prefix, "--sample", "1"]  # fmt: skip
+
+    failed = sidecar_ops(*verify)
+    assert failed.returncode == 1
+    assert f"FAILED shard_complete on {rel}: {damaged}: column 'image' in row group 0" in failed.stdout
+
+    result = sidecar_ops(
+        "build-both", "--main-prefix", main.uri, "--skip-existing",
+        "--output-prefix-512", out_512.location.uri, "--output-prefix-1024", out_1024.location.uri,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "shards: 3 total, 1 built, 2 skipped, 0 failed" in result.stdout
+    assert f"{rel}: skipped 0_26mp_process, built 1_05mp_process" in result.stderr
+    assert damaged.read_bytes() == intact  # the build is deterministic
+    assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in others} == others
+    assert sidecar_ops(*verify).returncode == 0

@@ -9,7 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli import crop_bbox
+from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
+from fixed_res_sidecar_tests.fixtures.faulty_s3 import copy_files, every_object_get
 
 
 def run_cli(argv: list[str]) -> int:
@@ -180,3 +182,23 @@ def test_gate_options_are_checked_first(sample_build, tmp_path, capsys):
     assert run_cli(cli_args(main, out_512, out_1024, tmp_path / "sidecar", "--verify-sample", "-1")) == 2
     assert "--verify-sample must be at least 0" in capsys.readouterr().err
     assert not (tmp_path / "sidecar").exists()
+
+
+def test_storage_that_keeps_failing_fails_the_shard_not_the_gate(
+    sample_build, faulty_s3, fast_retries, s3_bucket, capsys
+):
+    """Storage failing after the retries is not a verifier failure: each shard fails naming the
+    object that could not be read, nothing is written, and the run can be repeated."""
+    main, (out_512, out_1024) = sample_build
+    roots = {name: Location.parse(f"s3://{s3_bucket}/lake/{name}") for name in ("main", "512", "1024", "sidecar")}
+    for name, location in (("main", main), ("512", out_512.location), ("1024", out_1024.location)):
+        copy_files(location, roots[name])
+    faulty_s3.inject(every_object_get)
+    prefixes = {"main-prefix": "main", "resized-512-prefix": "512", "resized-1024-prefix": "1024"}
+    args = [part for flag, name in prefixes.items() for part in (f"--{flag}", roots[name].uri)]
+    assert run_cli([*args, "--output-prefix", roots["sidecar"].uri, "--key-column", "image_key"]) == 1
+    out = capsys.readouterr().out
+    for rel in main.list_shards():
+        assert f"FAILED {rel}: StorageError: storage failed reading s3://{s3_bucket}/lake/" in out
+    assert "did not pass the verifier" not in out and "0 built, 0 skipped, 3 failed" in out
+    assert roots["sidecar"].list_shards() == []

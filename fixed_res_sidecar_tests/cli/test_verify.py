@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -10,11 +11,20 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.cli import verify as verify_cli
+from fixed_res_sidecar.cli.common import STORAGE_FAILED
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS
+from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
+from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
+    any_of,
+    copy_files,
+    every_object_get,
+    first_get_of_each_key,
+    small_ranges_first_attempt,
+)
 
 REL = "nested/b/part-00002.parquet"
 
@@ -224,3 +234,83 @@ def test_verify_crop_bbox_box_keys_default_to_the_sidecars_settings(paths, capsy
     assert f"FAILED boxes_valid on {REL}: {path}: 1 bad box(es); row {row}" in capsys.readouterr().out
     assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "bbox", "--bbox-key", "box_2d")) == 0
     assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "region", "--caption-frame", "oriented")) == 1
+
+
+# -- transient S3 errors (a fault-injecting proxy in front of moto) ---------------------------
+
+
+def pipeline_commands(root: str, report_dir: str) -> list[list[str]]:
+    """build-both, both verifiers, build-crop-bbox and verify-crop-bbox with overlays, on `root`."""
+    main, r512, r1024, sidecar = (f"{root}/{name}" for name in ("main", "512", "1024", "sidecar"))
+    common = ["--main-prefix", main, "--key-column", "image_key"]
+    resized = [*common, "--resized-512-prefix", r512, "--resized-1024-prefix", r1024]
+    return [
+        ["build-both", *common, "--output-prefix-512", r512, "--output-prefix-1024", r1024, "--max-inflight", "2"],
+        ["verify-resized", *common, "--output-prefix", r512, "--audit-prefix", "0_26mp_process",
+         "--report", f"{report_dir}/verify-512.json"],
+        ["verify-resized", *common, "--output-prefix", r1024, "--audit-prefix", "1_05mp_process",
+         "--report", f"{report_dir}/verify-1024.json"],
+        ["build-crop-bbox", *resized, "--output-prefix", sidecar],
+        ["verify-crop-bbox", *resized, "--sidecar-prefix", sidecar, "--overlay-dir", f"{root}/overlays",
+         "--overlay-sample", "2", "--report", f"{report_dir}/verify-crop.json"],
+    ]  # fmt: skip
+
+
+def files_under(location: Location) -> dict[str, bytes]:
+    return {rel: location.read_bytes(rel) for rel in location.list_shards(suffix="")}
+
+
+def test_every_command_rides_out_injected_s3_errors(
+    sample_main_template, faulty_s3, fast_retries, s3_bucket, tmp_path, capsys
+):
+    """500s and 503s on the first GET of every object and listing, and on the first small ranged
+    GET of every range size (the error body is longer than the range): every command succeeds
+    and writes what a clean run writes, byte for byte, reports included."""
+    from fixed_res_sidecar.cli import main as sidecar_ops
+
+    clean_root, s3_root = str(tmp_path / "clean"), f"s3://{s3_bucket}/lake"
+    shutil.copytree(sample_main_template, f"{clean_root}/main")
+    copy_files(Location.parse(sample_main_template), Location.parse(f"{s3_root}/main"))
+    for command in pipeline_commands(clean_root, str(tmp_path / "clean-reports")):
+        assert sidecar_ops(command) == 0, capsys.readouterr()
+        capsys.readouterr()
+
+    faulty_s3.inject(any_of(first_get_of_each_key, small_ranges_first_attempt(400)))
+    for command in pipeline_commands(s3_root, str(tmp_path / "s3-reports")):
+        code, output = sidecar_ops(command), capsys.readouterr()
+        assert code == 0, (command[0], output.out[-3000:])
+    # Faults hit every dataset's objects, listings, and small ranges (the ones pyarrow does not retry).
+    datasets = {key.split("/")[2] for key, _ in faulty_s3.faults if key.count("/") >= 2}
+    assert datasets == {"main", "512", "1024", "sidecar"}
+    assert s3_bucket in [key for key, _ in faulty_s3.faults]
+    assert len([size for _, size in faulty_s3.faults if size is not None and size < 400]) >= 9
+
+    for name in ("512", "1024", "sidecar", "overlays"):
+        clean = files_under(Location.parse(f"{clean_root}/{name}"))
+        assert clean and files_under(Location.parse(f"{s3_root}/{name}")) == clean, name
+    for report in ("verify-512.json", "verify-1024.json", "verify-crop.json"):
+        clean = (tmp_path / "clean-reports" / report).read_text().replace(clean_root, "ROOT")
+        assert (tmp_path / "s3-reports" / report).read_text().replace(s3_root, "ROOT") == clean
+    # Nothing left behind: no incomplete upload, no temporary file.
+    assert "Uploads" not in locations.s3_client().list_multipart_uploads(Bucket=s3_bucket)
+    assert not [path for path in Path(clean_root).rglob(".*") if path.is_file()]
+
+
+def test_storage_that_keeps_failing_fails_the_command_without_a_verdict(
+    sidecar_build, faulty_s3, fast_retries, s3_bucket, tmp_path, capsys
+):
+    root = f"s3://{s3_bucket}/lake"
+    for name, location in (("main", sidecar_build.main), ("512", sidecar_build.r512)):
+        copy_files(location, Location.parse(f"{root}/{name}"))
+    faulty_s3.inject(every_object_get)
+    report_file = tmp_path / "report.json"
+    paths = {"main": f"{root}/main", "512": f"{root}/512"}
+    assert run(*resized_args(paths, "512", "--report", report_file)) == STORAGE_FAILED
+    out = capsys.readouterr().out
+    for rel in sidecar_build.main.list_shards():
+        assert f"STORAGE FAILED on {rel}, not checked: storage failed reading s3://{s3_bucket}/lake/" in out
+    assert "shards: 0 checked" in out and "FAILED " not in out.replace("STORAGE FAILED", "")
+    assert out.strip().endswith("rerun") and "INCOMPLETE: storage kept failing (after retries) on 3 shard(s)" in out
+    document = json.loads(report_file.read_text())
+    assert document["passed"] is None and document["shards"] == []
+    assert sorted(document["storage_failures"]) == sidecar_build.main.list_shards()

@@ -24,6 +24,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     swap_two_keys,
     write_tiny,
 )
+from fixed_res_sidecar_tests.fixtures.faulty_s3 import every_object_get, no_get
 
 KEYS = DatasetKeys("tiny")
 ALL_ASSETS = {*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS), KEYS.crop_bbox}
@@ -330,3 +331,30 @@ def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, in
     restated = again.get_asset_check_evaluations()
     assert len(restated) == 2 * 13 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, order).values()) == {"SUCCEEDED"}
+
+
+def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_result(
+    faulty_s3, fast_retries, s3_bucket, instance
+):
+    """No verdict is recorded for a shard whose storage kept failing: the step fails (the run can
+    be retried) and none of its checks is stored as failed or passed."""
+    main = Location.parse(f"s3://{s3_bucket}/lake/main/tiny")
+    rel = "a/part-0.parquet"
+    write_tiny(main, shards=(rel,))
+    config = make_config(dataset_entry("tiny", main, f"s3://{s3_bucket}/lake/out"))
+    defs = build_definitions(config)
+    register(instance, config)
+    assert run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.resized(r) for r in RESOLUTIONS]).success
+
+    faulty_s3.inject(every_object_get)
+    result = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
+    assert not result.success and not materialized(result)
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "StorageError: storage failed reading s3://" in failure.event_specific_data.error.to_string()
+    assert result.get_asset_check_evaluations() == []
+    statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel])
+    assert set(statuses.values()) == {"PLANNED"}, statuses  # planned, never evaluated
+
+    faulty_s3.inject(no_get)  # storage is back: a rerun gives the verdict
+    rerun = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
+    assert rerun.success and all(e.passed for e in rerun.get_asset_check_evaluations())

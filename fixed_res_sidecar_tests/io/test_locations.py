@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.io.locations import STALE_TEMPORARY_SECONDS, Location, LocationError, check_output_location
+from fixed_res_sidecar.io.retry import StorageError
 
 
 def _touch(root: Path, rel: str, data: bytes = b"x") -> None:
@@ -201,3 +202,13 @@ def test_s3_round_trip(s3_bucket):
         Path(tmp).write_bytes(b"partial")
         raise RuntimeError("crash")
     assert not location.exists("failed.parquet")
+
+
+def test_an_s3_listing_that_fails_is_a_storage_error(s3_env):
+    """A listing storage refuses (after boto3's retries) is a StorageError naming the location,
+    never an empty dataset."""
+    location = Location.parse("s3://no-such-bucket-for-sidecar/data")
+    with pytest.raises(
+        StorageError, match="storage failed listing s3://no-such-bucket-for-sidecar/data: .*NoSuchBucket"
+    ):
+        location.list_shards()

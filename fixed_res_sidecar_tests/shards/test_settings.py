@@ -1,8 +1,11 @@
+import os
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.settings import encode_settings, is_up_to_date, read_settings
+from fixed_res_sidecar_tests.fixtures.datasets import damage_value
 
 
 def _write(location: Location, rel: str, rows: int, settings: dict | None) -> None:
@@ -32,3 +35,26 @@ def test_is_up_to_date_needs_rows_and_settings_to_match(tmp_path):
     assert not is_up_to_date(location, "bare.parquet", 3, settings)
     assert not is_up_to_date(location, "junk.parquet", 3, settings)
     assert not is_up_to_date(location, "missing.parquet", 3, settings)
+
+
+def test_a_damaged_page_is_not_up_to_date(tmp_path):
+    """Footer and settings intact, one page's bytes altered: the shard is rebuilt."""
+    location = Location.parse(tmp_path)
+    settings = {"quality": 95}
+    values = [os.urandom(4000) for _ in range(8)]
+    schema = pa.schema([("k", pa.int64()), ("image", pa.binary())]).with_metadata(encode_settings(settings))
+    for rel in ("intact.parquet", "damaged.parquet"):
+        with location.write_atomic(rel) as tmp:
+            table = pa.table({"k": list(range(8)), "image": values}, schema=schema)
+            pq.write_table(
+                table,
+                tmp,
+                row_group_size=4,
+                compression="NONE",
+                use_dictionary=False,
+                write_statistics=False,
+                write_page_checksum=True,
+            )
+    damage_value(location.child("damaged.parquet"), values[6])
+    assert is_up_to_date(location, "intact.parquet", 8, settings)
+    assert not is_up_to_date(location, "damaged.parquet", 8, settings)

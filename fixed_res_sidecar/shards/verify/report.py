@@ -2,8 +2,9 @@
 
 A `ShardReport` holds one `CheckResult` per check, named after SPEC 7's items, so the CLI
 prints them and Dagster turns each into an asset check. Damaged data never raises here: a
-missing or unreadable shard, a missing column or a broken cell is a failed check whose
-message names the shard.
+missing or unreadable shard, a damaged page, a missing column or a broken cell is a failed
+check whose message names the shard. Storage that kept failing does raise (`StorageError`):
+a check that could not be evaluated is neither failed nor passed, and the run is retried.
 """
 
 import hashlib
@@ -18,6 +19,7 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
 from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns
+from fixed_res_sidecar.io.retry import StorageError
 
 SHARD_COMPLETE = "shard_complete"
 KEYS_MATCH = "keys_match"
@@ -118,9 +120,12 @@ def read_rows(parquet_file: pq.ParquetFile, rows: Sequence[int], columns: Sequen
 
 
 def guarded(name: str, uri: str, check: Callable[..., CheckResult], *args) -> CheckResult:
-    """Run one check; any error in it fails that check instead of the whole report."""
+    """Run one check; any error in it fails that check instead of the whole report, except
+    StorageError, which is no verdict on the data and propagates."""
     try:
         return check(*args)
+    except StorageError:
+        raise
     except ShardError as problem:
         return CheckResult(name, False, str(problem))
     except Exception as exc:  # noqa: BLE001 - damaged data must fail a check, never crash a run over many shards

@@ -1,6 +1,7 @@
 """SPEC 7 items 1-4 for a resized shard, and the crop sidecar's gate built on them.
 
-  shard_complete    the output shard exists; its row count equals the main shard's
+  shard_complete    the output shard exists; its row count equals the main shard's;
+                    every page of every column reads and matches its checksum
   keys_match        the key column equals the main shard's, every row, in order
   sample_images     a deterministic sample of valid rows decodes, with the audited
                     size, multiples of p, near-target area and the crop box's aspect
@@ -8,7 +9,8 @@
                     image; valid rows have an image; counts per code; examples
 
 Images are read as Arrow arrays: presence is checked with Arrow compute, and only the
-sampled rows' bytes are copied into Python.
+sampled rows' bytes are copied into Python. Storage that keeps failing raises StorageError
+(no report); the gate passes it on, so a shard is refused only for what its data is.
 """
 
 import bisect
@@ -20,7 +22,6 @@ from typing import Any
 import pyarrow as pa
 
 from fixed_res_sidecar.core.audit import (
-    AUDIT_TYPES,
     ERROR_CODES,
     AuditColumnsError,
     audit_column,
@@ -30,7 +31,7 @@ from fixed_res_sidecar.core.audit import (
 from fixed_res_sidecar.core.geometry import geometry, near_target_area
 from fixed_res_sidecar.core.image_cell import has_image, image_bytes_array, is_image_type
 from fixed_res_sidecar.core.pixels import open_image
-from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns
+from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
@@ -142,8 +143,9 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
     uri, image_column = output.location.child(rel), layout.image_column
     with open_shard(output.location, rel, "output") as parquet_file:
         rows = parquet_file.metadata.num_rows
-        wanted = [layout.key_column, *(audit_column(output.audit_prefix, f) for f in AUDIT_TYPES)]
-        columns = read_columns(parquet_file, wanted, uri)
+        # Every column but the images (key and audit columns, anything else too), so with the image
+        # pass below every page of the shard is read and checked against its checksum.
+        columns = read_columns(parquet_file, [n for n in parquet_file.schema_arrow.names if n != image_column], uri)
         valid_name = audit_column(output.audit_prefix, "valid")
         valid = columns.column(valid_name).to_pylist() if valid_name in columns.column_names else [True] * rows
         sampled_rows = sample_rows([i for i, v in enumerate(valid) if v], sample, rel)  # sorted
@@ -155,20 +157,17 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
             return _ResizedShard(uri, rows, columns, None, {}, problem)
         present: list[bool] = []
         sampled: dict[int, bytes] = {}
-        try:
-            # One streaming pass: every row's presence by Arrow compute; only the sampled rows'
-            # bytes are copied out of Arrow.
-            for batch in parquet_file.iter_batches(batch_size=IMAGE_BATCH_ROWS, columns=[image_column]):
-                start, cells = len(present), batch.column(0)
-                present.extend(has_image(cells).to_pylist())
-                first, last = bisect.bisect_left(sampled_rows, start), bisect.bisect_left(sampled_rows, len(present))
-                in_batch = [row - start for row in sampled_rows[first:last]]
-                if in_batch:
-                    for offset, data in zip(in_batch, image_bytes_array(cells).take(in_batch).to_pylist()):
-                        if data:
-                            sampled[start + offset] = data
-        except Exception as exc:
-            raise ShardError(f"{uri}: image column {image_column!r} could not be read: {describe(exc)}") from exc
+        # One streaming pass: every row's presence by Arrow compute; only the sampled rows'
+        # bytes are copied out of Arrow.
+        for batch in iter_batches(parquet_file, [image_column], uri, IMAGE_BATCH_ROWS):
+            start, cells = len(present), batch.column(0)
+            present.extend(has_image(cells).to_pylist())
+            first, last = bisect.bisect_left(sampled_rows, start), bisect.bisect_left(sampled_rows, len(present))
+            in_batch = [row - start for row in sampled_rows[first:last]]
+            if in_batch:
+                for offset, data in zip(in_batch, image_bytes_array(cells).take(in_batch).to_pylist()):
+                    if data:
+                        sampled[start + offset] = data
         return _ResizedShard(uri, rows, columns, present, sampled)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
@@ -15,6 +16,7 @@ from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
 from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
@@ -27,18 +29,29 @@ from fixed_res_sidecar.shards.verify import (
     SAMPLE_IMAGES,
     SHARD_COMPLETE,
     VerifyOptions,
+    require_verified,
     resized_verification_problems,
+    verify_crop_bbox_shard,
     verify_resized_shard,
 )
+from fixed_res_sidecar.shards.verify.report import sample_rows
 from fixed_res_sidecar.shards.verify.resized import aspect_tolerance
 from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
 from fixed_res_sidecar_tests.fixtures.datasets import (
     assert_failed,
     column,
+    damage_value,
     first_row,
     replace_column,
     rewrite_shard,
     sidecar_layout,
+)
+from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
+    any_of,
+    copy_files,
+    every_object_get,
+    first_get_of_each_key,
+    small_ranges_first_attempt,
 )
 
 
@@ -352,3 +365,73 @@ def test_resized_verification_problems_name_the_shard_and_failed_checks(sidecar_
         f"resized 1024 shard {sidecar_build.r1024.child(REL)} did not pass the verifier: audit_consistent ("
     )
     assert "valid row has no image" in problem
+
+
+# -- transient and persistent S3 errors (a fault-injecting proxy in front of moto) ------------
+
+
+def on_s3(sidecar_build, bucket: str) -> dict[str, Location]:
+    """A copy of the build on S3 (written before any fault is injected)."""
+    sources = {"main": sidecar_build.main, "512": sidecar_build.r512, "1024": sidecar_build.r1024}
+    roots = {name: Location.parse(f"s3://{bucket}/data/{name}") for name in [*sources, "sidecar"]}
+    for name, source in {**sources, "sidecar": sidecar_build.sidecar}.items():
+        copy_files(source, roots[name])
+    return roots
+
+
+def test_verifier_and_gate_ride_out_injected_s3_errors(sidecar_build, faulty_s3, fast_retries, s3_bucket):
+    """500/503 with an error body longer than the range, on the first small ranged GET of every
+    object and range size and on the first GET of every object: the same reports as without."""
+    roots = on_s3(sidecar_build, s3_bucket)
+    layout = sidecar_layout(roots["main"], roots["512"], roots["1024"], roots["sidecar"])
+    shards = roots["main"].list_shards()
+
+    def reports() -> dict:
+        return {(rel, r): verify_resized_shard(layout, rel, r).to_dict() for rel in shards for r in ("512", "1024")}
+
+    clean = reports()
+    assert all(report["passed"] for report in clean.values())
+    faulty_s3.inject(any_of(first_get_of_each_key, small_ranges_first_attempt(400)))
+    assert reports() == clean
+    assert len([size for _, size in faulty_s3.faults if size is not None and size < 400]) >= 12
+    faulty_s3.inject(small_ranges_first_attempt(400))  # the crop gate: the same verifier
+    for rel in shards:
+        assert resized_verification_problems(layout, rel, VerifyOptions()) == []
+    assert faulty_s3.faults
+
+
+def test_storage_that_keeps_failing_is_no_verdict(sidecar_build, faulty_s3, fast_retries, s3_bucket):
+    """Every GET fails: after the retries the verifier and the gate raise
+    StorageError naming the object; no report says a check failed or passed."""
+    roots = on_s3(sidecar_build, s3_bucket)
+    layout = sidecar_layout(roots["main"], roots["512"], roots["1024"], roots["sidecar"])
+    faulty_s3.inject(every_object_get)
+    with pytest.raises(StorageError, match=rf"storage failed reading s3://{s3_bucket}/data/.* after 10 attempts"):
+        verify_resized_shard(layout, REL, "512")
+    (failed_range,) = set(faulty_s3.faults)  # the first read (main's footer), tried S3_MAX_ATTEMPTS times
+    assert faulty_s3.faults == [failed_range] * locations.S3_MAX_ATTEMPTS
+    with pytest.raises(StorageError):
+        resized_verification_problems(layout, REL, VerifyOptions())
+    with pytest.raises(StorageError):
+        require_verified(layout, REL, VerifyOptions())
+    with pytest.raises(StorageError):
+        verify_crop_bbox_shard(layout, REL)
+
+
+# -- damaged pages --------------------------------------------------------------------------
+
+
+def test_a_damaged_page_fails_shard_complete_naming_the_column_and_row_group(sidecar_build):
+    """One image's bytes altered in the file, footer intact, in a row the image sample misses:
+    the page checksums catch it."""
+    prefix = sidecar_build.prefixes["512"]
+    valid = [row for row, flag in enumerate(column(sidecar_build.r512, REL, f"{prefix}_valid")) if flag]
+    sampled = sample_rows(valid, 1, REL)
+    row = next(r for r in valid if r not in sampled)
+    damage_value(sidecar_build.r512.child(REL), column(sidecar_build.r512, REL, "image")[row])
+
+    report = sidecar_build.verify("512", sample=1)
+    message = assert_failed(report, SHARD_COMPLETE, sidecar_build.r512, containing="column 'image' in row group 0")
+    assert "does not match its checksum" in message and "CRC checksum verification failed" in message
+    assert all(not check.passed and check.message.startswith("not checked: ") for check in report.checks[1:])
+    assert sidecar_build.verify("1024", sample=1).passed  # the other resolution is intact

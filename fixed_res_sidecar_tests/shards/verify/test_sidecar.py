@@ -18,6 +18,7 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
     SidecarBuild,
     assert_failed,
     column,
+    damage_column_chunk,
     replace_column,
     rewrite_shard,
 )
@@ -135,3 +136,10 @@ def test_a_box_list_wholly_outside_the_crop_is_not_a_bad_box(sidecar_build, tmp_
     assert report.passed, [c.message for c in report.failed_checks]
     assert report.check(BOXES_VALID).metadata["boxes"]["512_null"] >= 2
     assert write_overlays(sidecar_build.layout(), REL, Location.parse(tmp_path / "overlays"), 10)  # drawn too
+
+
+def test_a_damaged_sidecar_page_fails_shard_complete(sidecar_build):
+    damage_column_chunk(sidecar_build.sidecar.child(REL), META_COLUMN)
+    report = sidecar_build.verify_crop()
+    message = assert_failed(report, SHARD_COMPLETE, sidecar_build.sidecar, containing=f"column {META_COLUMN!r}")
+    assert "does not match its checksum" in message
