@@ -156,14 +156,16 @@ def apply_sensor_result(instance, result) -> list[str]:
 
 def register_shards(instance, dataset: DatasetConfig) -> list[str]:
     """Discovery ticks in process, until the listing is complete; returns the new partitions."""
-    from fixed_res_sidecar.defs.sensors import ShardCursor, discovery_tick
+    from fixed_res_sidecar.defs.sensors import ShardCursor, discovery_tick, load_seen, save_seen
 
     keys = DatasetKeys(dataset.name)
     added: list[str] = []
     cursor = None
     while True:
-        known = set(instance.get_dynamic_partitions(keys.partitions))
-        result = discovery_tick(dataset, known, cursor, log=logging.getLogger("sidecar-demo"))
+        known = instance.get_dynamic_partitions(keys.partitions)
+        seen = load_seen(instance, dataset.name)
+        result, seen = discovery_tick(dataset, known, cursor, seen, log=logging.getLogger("sidecar-demo"))
+        save_seen(instance, dataset.name, seen)
         added += apply_sensor_result(instance, result)
         cursor = result.cursor
         if ShardCursor.parse(cursor).after is None:

@@ -10,14 +10,11 @@ first run reads everything once). Its verdict:
 - ERROR when a shard's latest blocking check failed (a verifier's or the sidecar's), or when a
   finished shard (both verifiers passed on its current build) has no crop_bbox, or one older than
   its latest passed verification, and nothing of the dataset is still running;
-- WARN while work is under way (runs or backfills of the dataset unfinished) or shards were never
-  built or verified;
+- WARN while work is under way (runs or backfills of the dataset unfinished), shards were never
+  built or verified, or shards were removed from main (their outputs are kept: orphans, listed);
 - passed otherwise.
 """
 
-import base64
-import json
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +22,9 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.sensors import REMOVED
 from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
@@ -44,39 +43,28 @@ class AuditState:
     """What the audit has read so far: per asset and for the checks, how far; per shard, what it found."""
 
     cursors: dict[str, int] = field(default_factory=dict)  # asset key or "checks" -> last storage id read
-    # rel -> {"main": [rows, bytes], "<res>": bytes, "verify_<res>": [storage id, valid, invalid, {code: n}],
-    #         "crop": storage id, "checks": {check key text: status}}
+    # rel -> {"main": [rows, bytes], "removed": bool, "<res>": bytes, "verify_<res>": [storage id, valid,
+    #         invalid, {code: n}], "crop": storage id, "checks": {check key text: status}}
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def encode(self) -> str:
-        raw = json.dumps({"cursors": self.cursors, "shards": self.shards}, separators=(",", ":"))
-        return base64.b64encode(zlib.compress(raw.encode(), 6)).decode("ascii")
-
-    @classmethod
-    def decode(cls, text: str | None) -> "AuditState":
-        if not text:
-            return cls()
-        try:
-            data = json.loads(zlib.decompress(base64.b64decode(text)))
-            return cls(dict(data["cursors"]), dict(data["shards"]))
-        except (ValueError, KeyError, TypeError, zlib.error):
-            return cls()  # unreadable: read everything again
 
 
 def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
-    key = STATE_KEY.format(dataset=dataset)
-    return AuditState.decode(instance.run_storage.get_cursor_values({key}).get(key))
+    data = history.load_state(instance, STATE_KEY.format(dataset=dataset))
+    try:
+        return AuditState(dict(data["cursors"]), dict(data["shards"]))
+    except (TypeError, KeyError):
+        return AuditState()  # none yet, or unreadable: read everything again
 
 
 def save_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
-    instance.run_storage.set_cursor_values({STATE_KEY.format(dataset=dataset): state.encode()})
+    history.save_state(instance, STATE_KEY.format(dataset=dataset), {"cursors": state.cursors, "shards": state.shards})
 
 
 def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState) -> int:
     """Read the events recorded since the state's cursors into it; returns how many were read."""
     read = 0
     for slot, key in _materialized_assets(keys).items():
-        for record in _new_materializations(instance, key, state.cursors.get(key.to_user_string(), 0)):
+        for record in _new_events(instance.fetch_materializations, key, state.cursors.get(key.to_user_string(), 0)):
             state.cursors[key.to_user_string()] = record.storage_id
             if record.partition_key is None:
                 continue
@@ -85,6 +73,7 @@ def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditSt
             metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
             if slot == "main":
                 shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
+                shard["main_id"] = record.storage_id
             elif slot in RESOLUTIONS:
                 shard[slot] = _int(metadata.get("bytes"))
             elif slot == "crop":
@@ -97,6 +86,14 @@ def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditSt
                     _int(metadata.get("invalid")),
                     {code: n for code, n in errors.items() if n},
                 ]
+    # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
+    observed = state.cursors.get("main observations", 0)
+    for record in _new_events(instance.fetch_observations, keys.main, observed):
+        state.cursors["main observations"] = record.storage_id
+        metadata = record.asset_observation.metadata
+        if record.partition_key is not None and REMOVED in metadata and metadata[REMOVED].value:
+            state.shards.setdefault(record.partition_key, {})["removed_id"] = record.storage_id
+            read += 1
     after = state.cursors.get("checks", 0)
     infos = instance.event_log_storage.get_asset_check_partition_info(_check_keys(keys), after_storage_id=after)
     for info in infos:
@@ -123,11 +120,13 @@ def _check_keys(keys: DatasetKeys) -> list[dg.AssetCheckKey]:
     return verify + [dg.AssetCheckKey(keys.crop_bbox, name) for name in CROP_BBOX_CHECKS]
 
 
-def _new_materializations(instance: dg.DagsterInstance, key: dg.AssetKey, after: int):
+def _new_events(fetch, key: dg.AssetKey, after: int):
+    """Event records of `key` after storage id `after`, oldest first, a page at a time (`fetch` is the
+    instance's fetch_materializations or fetch_observations)."""
     records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after)
     cursor = None
     while True:
-        page = instance.fetch_materializations(records_filter, limit=PAGE, cursor=cursor, ascending=True)
+        page = fetch(records_filter, limit=PAGE, cursor=cursor, ascending=True)
         yield from page.records
         if not page.has_more:
             return
@@ -160,6 +159,7 @@ class DatasetAudit:
     crop_built: int = 0
     crop_missing: list[str] = field(default_factory=list)  # finished shards without a crop_bbox
     crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
+    orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
     under_way: str | None = None  # what is still running, if anything
 
     @property
@@ -174,7 +174,7 @@ class DatasetAudit:
     @property
     def passed(self) -> bool:
         incomplete = any(self.not_verified.get(r) for r in RESOLUTIONS) or self.crop_missing or self.crop_stale
-        return not self.error and not incomplete and self.under_way is None and self.shards > 0
+        return not (self.error or incomplete or self.orphans) and self.under_way is None and self.shards > 0
 
     def description(self) -> str:
         if self.shards == 0:
@@ -193,6 +193,11 @@ class DatasetAudit:
             waiting = self.not_verified.get(resolution, [])
             if waiting:
                 parts.append(f"{len(waiting)} shard(s) not verified at {resolution} yet: {_names(waiting)}")
+        if self.orphans:
+            parts.append(
+                f"{len(self.orphans)} shard(s) removed from main, their outputs kept (orphans, never deleted "
+                f"automatically): {_names(self.orphans)}"
+            )
         if self.under_way:
             parts.append(f"under way: {self.under_way}")
         verdict = "FAILED" if self.error else "passed" if self.passed else "incomplete"
@@ -214,8 +219,13 @@ class DatasetAudit:
             dg.TableRecord({"shard": rel, "problem": "crop_bbox older than its verification"})
             for rel in self.crop_stale[:LISTED]
         ]
+        rows += [
+            dg.TableRecord({"shard": rel, "problem": "removed from main, outputs kept"})
+            for rel in self.orphans[:LISTED]
+        ]
         schema = dg.TableSchema(columns=[dg.TableColumn("shard", "string"), dg.TableColumn("problem", "string")])
         numbers = {
+            "orphaned_shards": len(self.orphans),
             "failed_shards": len(self.failed_shards),
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
@@ -238,6 +248,7 @@ class DatasetAudit:
             "failed_shards": len(self.failed_shards),
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
+            "orphaned_shards": len(self.orphans),
         }
         for r in RESOLUTIONS:
             numbers[f"{r}_shards"] = self.built.get(r, 0)
@@ -257,7 +268,7 @@ def evaluate(
     """The audit over the current partitions (a shard removed from the partitions is not counted)."""
     audit = DatasetAudit(keys.dataset)
     partitions = instance.get_dynamic_partitions(keys.partitions)
-    audit.shards = len(partitions)
+    audit.shards = len(partitions)  # less the orphans, below
     for resolution in RESOLUTIONS:
         audit.built[resolution] = audit.output_bytes[resolution] = audit.verified[resolution] = 0
         audit.valid[resolution] = audit.invalid[resolution] = 0
@@ -266,6 +277,9 @@ def evaluate(
     verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
     for rel in partitions:
         shard = state.shards.get(rel, {})
+        if shard.get("removed_id", -1) > shard.get("main_id", -1):
+            audit.orphans.append(rel)
+            continue
         rows, size = shard.get("main", [0, 0])
         audit.main_rows += rows
         audit.main_bytes += size
@@ -296,6 +310,7 @@ def evaluate(
                 audit.crop_missing.append(rel)
             elif shard["crop"] < max(passed_at):
                 audit.crop_stale.append(rel)
+    audit.shards -= len(audit.orphans)
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit
 

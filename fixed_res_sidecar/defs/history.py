@@ -4,6 +4,9 @@ Reading the event log, never the data: the crop gate across runs, the demo's boo
 the dataset audit ask here.
 """
 
+import base64
+import json
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +15,24 @@ import dagster as dg
 
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
+
+
+def load_state(instance: dg.DagsterInstance, key: str) -> Any:
+    """A JSON value kept in the instance's key-value store (compressed), or None."""
+    text = instance.run_storage.get_cursor_values({key}).get(key)
+    if not text:
+        return None
+    try:
+        return json.loads(zlib.decompress(base64.b64decode(text)))
+    except (ValueError, zlib.error):
+        return None  # unreadable: the caller starts over
+
+
+def save_state(instance: dg.DagsterInstance, key: str, value: Any) -> None:
+    """Keep a JSON value in the instance's key-value store: one row, compressed (100,000 shards' state is
+    a few megabytes of JSON, a few hundred kilobytes stored)."""
+    raw = json.dumps(value, separators=(",", ":")).encode()
+    instance.run_storage.set_cursor_values({key: base64.b64encode(zlib.compress(raw, 6)).decode("ascii")})
 
 
 def latest_materialization(instance: dg.DagsterInstance, key: dg.AssetKey, rel: str) -> dg.EventLogRecord | None:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -30,6 +31,22 @@ SHARD_SUFFIX = ".parquet"
 S3_MAX_ATTEMPTS = 10
 S3_READ_RETRY = RetryPolicy(S3_MAX_ATTEMPTS)  # the same attempts and backoff as boto3's standard mode
 STALE_TEMPORARY_SECONDS = 6 * 3600
+
+
+class ShardEntry(NamedTuple):
+    """A shard as a listing shows it."""
+
+    rel: str
+    size: int
+    stamp: str  # changes when the object is rewritten: "size:mtime_ns" locally, "size:etag" on S3
+
+
+def _local_stamp(stat: os.stat_result) -> str:
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _s3_stamp(size: int, etag: str) -> str:
+    return f"{size}:{etag.strip(chr(34))}"
 
 
 class LocationError(ValueError):
@@ -113,8 +130,8 @@ class Location:
 
         `start_after` lets a sensor resume a listing of 100,000 shards without reading it all.
         """
-        for page in self._iter_shard_entries(suffix, page_size, start_after):
-            yield [rel for rel, _ in page]
+        for page in self.iter_shard_entries(suffix, page_size, start_after):
+            yield [entry.rel for entry in page]
 
     def list_shards(self, suffix: str = SHARD_SUFFIX) -> list[str]:
         """Every shard's (or, with another `suffix`, file's) relative path at any depth, sorted."""
@@ -122,11 +139,12 @@ class Location:
 
     def shard_sizes(self, suffix: str = SHARD_SUFFIX) -> dict[str, int]:
         """rel -> bytes of every shard, sorted by rel (what `aws s3 ls --recursive` shows)."""
-        return dict(sorted(entry for page in self._iter_shard_entries(suffix, 1000) for entry in page))
+        return dict(sorted((e.rel, e.size) for page in self.iter_shard_entries(suffix, 1000) for e in page))
 
-    def _iter_shard_entries(
-        self, suffix: str, page_size: int, start_after: str | None = None
-    ) -> Iterator[list[tuple[str, int]]]:
+    def iter_shard_entries(
+        self, suffix: str = SHARD_SUFFIX, page_size: int = 1000, start_after: str | None = None
+    ) -> Iterator[list["ShardEntry"]]:
+        """Shards at any depth with their size and stamp (what `fingerprint` gives), in pages, in key order."""
         if self.is_s3:
             paginator = s3_client().get_paginator("list_objects_v2")
             prefix = f"{self.path}/" if self.path else ""
@@ -135,8 +153,11 @@ class Location:
                 Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}, **extra
             )
             for page in _storage_errors(pages, f"listing {self.uri}"):
-                entries = [(obj["Key"][len(prefix) :], obj["Size"]) for obj in page.get("Contents", [])]
-                entries = [(rel, size) for rel, size in entries if _is_shard(rel, suffix)]
+                entries = [
+                    ShardEntry(obj["Key"][len(prefix) :], obj["Size"], _s3_stamp(obj["Size"], obj["ETag"]))
+                    for obj in page.get("Contents", [])
+                ]
+                entries = [entry for entry in entries if _is_shard(entry.rel, suffix)]
                 if entries:
                     yield entries
             return
@@ -153,8 +174,8 @@ class Location:
         """
         return {} if self.is_s3 else self._walk_local(suffix)[1]
 
-    def _walk_local(self, suffix: str, start_after: str | None = None) -> tuple[list[tuple[str, int]], dict[str, str]]:
-        """(sorted (rel, bytes) of shards, rel -> target of symlinks not followed)."""
+    def _walk_local(self, suffix: str, start_after: str | None = None) -> tuple[list["ShardEntry"], dict[str, str]]:
+        """(sorted entries of shards, rel -> target of symlinks not followed)."""
         root = Path(self.path)
         found, links = [], {}
         for folder, dirs, files in os.walk(root):  # os.walk never descends into a symlinked folder
@@ -167,7 +188,8 @@ class Location:
                         links[rel] = os.readlink(path)
                     continue
                 if name in files and _is_shard(rel, suffix) and (start_after is None or rel > start_after):
-                    found.append((rel, path.stat().st_size))
+                    stat = path.stat()
+                    found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
             dirs[:] = [d for d in dirs if not Path(folder, d).is_symlink()]
         found.sort()
         return found, dict(sorted(links.items()))
@@ -220,12 +242,11 @@ class Location:
                 if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                     return None
                 raise
-            return f"{head['ContentLength']}:{head['ETag'].strip(chr(34))}"
+            return _s3_stamp(head["ContentLength"], head["ETag"])
         try:
-            stat = os.stat(Path(self.path, rel))
+            return _local_stamp(os.stat(Path(self.path, rel)))
         except FileNotFoundError:
             return None
-        return f"{stat.st_size}:{stat.st_mtime_ns}"
 
     def link(self, rel: str, expires_seconds: int = 7 * 24 * 3600) -> str:
         """Where a person can open `rel`: a presigned HTTPS URL on S3 (at most 7 days), else the local path."""

@@ -9,6 +9,8 @@ Shards are opened with page checksum verification (`Location.parquet_file`), so 
 after it was written fails the read that meets it, and the error names the column and row group.
 """
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -126,3 +128,18 @@ def unreadable(
 def describe(exc: BaseException) -> str:
     """An exception as one short line for a message."""
     return describe_exception(exc, max_chars=MESSAGE_CHARS)
+
+
+def source_fingerprint(location: Location, rel: str, parquet_file: pq.ParquetFile | None = None) -> str:
+    """A main shard's identity, cheap at any scale: its object stamp (size and ETag on S3, size and
+    modification time locally), its footer's row count and a hash of its footer. No image is read.
+
+    Outputs record it in their footers (`shards/settings.py`): an output built from another
+    fingerprint of its main shard is stale.
+    """
+    stamp = location.fingerprint(rel)
+    if stamp is None:
+        raise ShardError(f"main shard {location.child(rel)} is missing")
+    metadata = (parquet_file or open_shard(location, rel, "main")).metadata
+    footer = json.dumps(metadata.to_dict(), sort_keys=True, default=str).encode()
+    return f"{stamp}:{metadata.num_rows}:{hashlib.sha256(footer).hexdigest()[:16]}"

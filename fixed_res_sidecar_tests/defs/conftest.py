@@ -78,12 +78,10 @@ def instance():
 
 
 def register(instance: dg.DagsterInstance, config: SidecarConfig, name: str | None = None) -> list[str]:
-    """Register every shard of a dataset as a partition and observe it, as the sensor does."""
-    from fixed_res_sidecar.defs.sensors import discovery_tick
-    from fixed_res_sidecar.demo import apply_sensor_result
+    """Register every shard of a dataset as a partition and record it on main, as the sensor does."""
+    from fixed_res_sidecar.demo import register_shards
 
-    dataset = config.dataset(name) if name else config.datasets[0]
-    return apply_sensor_result(instance, discovery_tick(dataset, set(), None))
+    return register_shards(instance, config.dataset(name) if name else config.datasets[0])
 
 
 def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection=None) -> dg.ExecuteInProcessResult:

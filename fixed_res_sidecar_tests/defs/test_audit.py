@@ -87,5 +87,7 @@ def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, 
     # 2 resized, 2 verifier and 1 sidecar materializations, and 8 + 5 check results of one shard.
     assert audit_module.update_state(instance, keys, again) == 5 + 13
     assert audit_module.update_state(instance, keys, again) == 0
-    assert audit_module.AuditState.decode(again.encode()) == again
-    assert audit_module.AuditState.decode("not a state").shards == {}  # unreadable: read everything again
+    audit_module.save_state(instance, "tiny", again)
+    assert audit_module.load_state(instance, "tiny") == again
+    instance.run_storage.set_cursor_values({audit_module.STATE_KEY.format(dataset="tiny"): "not a state"})
+    assert audit_module.load_state(instance, "tiny").shards == {}  # unreadable: read everything again

@@ -83,7 +83,7 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
 
     second = tick(sensor, instance, first.cursor)
     assert not second.run_requests and not second.dynamic_partitions_requests
-    assert "no new shards" in str(second.skip_reason)
+    assert "no new, changed or removed shards" in str(second.skip_reason)
 
     write_tiny(tiny_main, shards=("nested/y/part-c.parquet",))
     third = tick(sensor, instance, second.cursor)
@@ -135,7 +135,7 @@ def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
             self.infos.append(text)
 
     log = Log()
-    result = discovery_tick(dataset, set(), None, log=log)
+    result, _ = discovery_tick(dataset, [], None, log=log)
     assert requested(result) == ["good.parquet"]
     assert len(log.errors) == 2
     assert any("'bad,name.parquet'" in e and "','" in e for e in log.errors)
@@ -164,7 +164,7 @@ def test_unreadable_shard_is_observed_with_its_error(tmp_path):
     main = Location.parse(tmp_path / "main")
     main.write_bytes("broken.parquet", b"not parquet")
     dataset = make_config(dataset_entry("broken", main, tmp_path / "out")).datasets[0]
-    result = discovery_tick(dataset, set(), None)
+    result, _ = discovery_tick(dataset, [], None)
     (event,) = result.asset_events
     assert "error" in event.metadata and "dagster/row_count" not in event.metadata
     assert requested(result) == ["broken.parquet"]  # its run reports the failure
