@@ -17,6 +17,7 @@ from fixed_res_sidecar.shards.runner import (
     local_workers,
     run_shards,
 )
+from fixed_res_sidecar.shards.settings import SOURCES
 
 
 def add_parser(subparsers) -> None:
@@ -167,6 +168,11 @@ def format_summary(summary: RunSummary) -> str:
         errors = {k: v for k, v in sorted(counts.items()) if k != "valid"}
         detail = ", ".join(f"{k} {v}" for k, v in errors.items()) or "none"
         lines.append(f"  {prefix} (built shards): valid {counts['valid']}, invalid {sum(errors.values())} ({detail})")
+    reasons = Counter(o.reason for r in results for o in r.outputs if o.status == "built" and o.reason)
+    if reasons:  # with --skip-existing: why outputs that existed were built again
+        lines.append("  rebuilt outputs: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
+    changed = sum(1 for r in results if any(o.reason == SOURCES for o in r.outputs))
+    lines.append(f"  rebuilt because main changed: {changed} shard(s)")
     for rel, reason in sorted(summary.failures.items()):
         lines.append(f"  FAILED {rel}: {reason}")
     return "\n".join(lines)

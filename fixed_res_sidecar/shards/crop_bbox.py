@@ -35,8 +35,9 @@ from fixed_res_sidecar.io.parquet import ShardError, iter_batches, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import (
     encode_settings,
-    is_up_to_date,
     read_settings,
+    sidecar_sources,
+    staleness,
 )
 
 BATCH_ROWS = 4096  # rows read per step; only keys, captions and audit numbers are held
@@ -53,6 +54,7 @@ class CropBboxResult:
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     seconds: float = 0.0
     caption_column_missing: bool = False  # the main shard has no caption column: every caption is missing
+    reason: str | None = None  # why it was built when skip-existing was on (shards/settings.py staleness)
 
     @property
     def built(self) -> bool:
@@ -179,7 +181,9 @@ def build_crop_bbox_shard(
     resized_inputs = dict(zip(RESOLUTIONS, inputs[-2:]))
 
     settings = crop_bbox_settings(layout, {name: read_settings(i.shard) for name, i in resized_inputs.items()})
-    if skip_existing and is_up_to_date(output, rel, rows, settings):
+    sources = sidecar_sources(layout, rel, main_input.shard)
+    reason = staleness(output, rel, rows, settings, sources) if skip_existing else None
+    if skip_existing and reason is None:
         return CropBboxResult(rel, "skipped", rows, seconds=time.monotonic() - started)
     if gate is not None:
         gate(rel)
@@ -190,7 +194,7 @@ def build_crop_bbox_shard(
             *(pa.field(CROP_COLUMNS[name], pa.string()) for name in RESOLUTIONS),
             pa.field(META_COLUMN, pa.string(), nullable=False),
         ],
-        metadata=encode_settings(settings),
+        metadata=encode_settings(settings, sources),
     )
     tally = _Tally()
     main_uri = layout.main.child(rel)
@@ -226,7 +230,13 @@ def build_crop_bbox_shard(
         if row_offset != rows:  # the footers agreed with each other, so a file is corrupt
             raise ShardError(f"{main_uri}: read {row_offset} rows, its footer says {rows}")
     return CropBboxResult(
-        rel, "built", rows, tally.as_dict(), time.monotonic() - started, caption_column_missing=caption_input is None
+        rel,
+        "built",
+        rows,
+        tally.as_dict(),
+        time.monotonic() - started,
+        caption_column_missing=caption_input is None,
+        reason=reason,
     )
 
 

@@ -149,16 +149,18 @@ def outputs_up_to_date(layout: DatasetLayout, rel: str, stages: Stages, options:
     from fixed_res_sidecar.io.parquet import open_shard
     from fixed_res_sidecar.shards.crop_bbox import crop_bbox_settings
     from fixed_res_sidecar.shards.resize import build_settings
-    from fixed_res_sidecar.shards.settings import is_up_to_date, read_settings
+    from fixed_res_sidecar.shards.settings import is_up_to_date, read_settings, resized_sources, sidecar_sources
 
-    rows = open_shard(layout.main, rel, "main").metadata.num_rows
+    main = open_shard(layout.main, rel, "main")
+    rows = main.metadata.num_rows
     for name in {*stages.resize, *stages.verify}:
         output = layout.resized[name]
         settings = build_settings(output, options.pixels, layout.key_column, layout.image_column)
-        if not is_up_to_date(output.location, rel, rows, settings):
+        if not is_up_to_date(output.location, rel, rows, settings, resized_sources(layout, rel, main)):
             return False
     if stages.crop:
         recorded = {name: read_settings(output.location.parquet_file(rel)) for name, output in layout.resized.items()}
-        if not is_up_to_date(layout.sidecar, rel, rows, crop_bbox_settings(layout, recorded)):
+        settings = crop_bbox_settings(layout, recorded)
+        if not is_up_to_date(layout.sidecar, rel, rows, settings, sidecar_sources(layout, rel, main)):
             return False
     return True

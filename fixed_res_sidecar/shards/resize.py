@@ -34,7 +34,7 @@ from fixed_res_sidecar.core.pixels import (
 )
 from fixed_res_sidecar.io.parquet import ShardError, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
-from fixed_res_sidecar.shards.settings import encode_settings, is_up_to_date
+from fixed_res_sidecar.shards.settings import encode_settings, resized_sources, staleness
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
 SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
@@ -48,6 +48,7 @@ class OutputSummary:
     audit_prefix: str
     uri: str
     status: str  # "built" or "skipped"
+    reason: str | None = None  # why it was built when skip-existing was on (shards/settings.py staleness)
     valid: int = 0
     error_counts: dict[str, int] = field(default_factory=dict)
 
@@ -104,13 +105,16 @@ def build_resized_shard(
     layout.check_locations()
     source = _open_main_shard(layout, rel)
     rows = source.metadata.num_rows
+    sources = resized_sources(layout, rel, source)
     settings = {o: build_settings(o, options, layout.key_column, layout.image_column) for o in outputs}
-    todo = [o for o in outputs if not (skip_existing and is_up_to_date(o.location, rel, rows, settings[o]))]
+    reasons = {o: staleness(o.location, rel, rows, settings[o], sources) if skip_existing else None for o in outputs}
+    todo = [o for o in outputs if not skip_existing or reasons[o] is not None]
     summaries = {
-        o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped") for o in outputs
+        o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped", reasons[o])
+        for o in outputs
     }
     if todo:
-        _build(source, layout, rel, todo, settings, summaries, options, threads, on_rows)
+        _build(source, layout, rel, todo, settings, sources, summaries, options, threads, on_rows)
     return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
 
 
@@ -125,7 +129,7 @@ def _open_main_shard(layout: DatasetLayout, rel: str) -> pq.ParquetFile:
     return source
 
 
-def _build(source, layout: DatasetLayout, rel, todo, settings, summaries, options, threads, on_rows):
+def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summaries, options, threads, on_rows):
     key_column, image_column = layout.key_column, layout.image_column
     key_field = source.schema_arrow.field(key_column)
     image_field = source.schema_arrow.field(image_column)
@@ -135,7 +139,7 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, summaries, option
         writers = []
         for output in todo:
             schema = pa.schema([key_field, image_field, *audit_columns(output.audit_prefix)])
-            schema = schema.with_metadata(encode_settings(settings[output]))
+            schema = schema.with_metadata(encode_settings(settings[output], sources))
             tmp = stack.enter_context(output.location.write_atomic(rel, protect=layout.read_only))
             writer = pq.ParquetWriter(
                 tmp,

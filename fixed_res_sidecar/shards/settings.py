@@ -1,7 +1,8 @@
-"""Build settings: what an output shard was made with, stored in its Parquet footer.
+"""What an output shard was made with and from, stored in its Parquet footer.
 
-`--skip-existing` compares these with the current ones (SPEC 2), so anything that
-changes the bytes of an output belongs here.
+Build settings: anything that changes the bytes of an output. Sources: the fingerprints of
+the shards it was made from (its main shard; for a sidecar also both resized shards). An output
+is up to date (SPEC 2's skip rule, `--skip-existing`) only when both equal the current ones.
 """
 
 import json
@@ -13,14 +14,23 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.pixels import PixelOptions
-from fixed_res_sidecar.io.parquet import ShardError, verify_page_checksums
+from fixed_res_sidecar.io.parquet import ShardError, source_fingerprint, verify_page_checksums
 
 SETTINGS_KEY = b"fixed_res_sidecar.settings"
+SOURCES_KEY = b"fixed_res_sidecar.sources"
+
+# Why an output is not up to date (`staleness`); the CLI counts them in its summary.
+MISSING, UNREADABLE, ROWS, SETTINGS, SOURCES, DAMAGED = (
+    "missing", "unreadable", "row count differs", "settings changed", "main changed", "damaged",
+)  # fmt: skip
 
 
-def encode_settings(settings: dict[str, Any]) -> dict[bytes, bytes]:
-    """Parquet key-value metadata holding `settings`."""
-    return {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+def encode_settings(settings: dict[str, Any], sources: dict[str, Any] | None = None) -> dict[bytes, bytes]:
+    """Parquet key-value metadata holding `settings` and the fingerprints of the `sources`."""
+    metadata = {SETTINGS_KEY: json.dumps(settings, sort_keys=True).encode()}
+    if sources is not None:
+        metadata[SOURCES_KEY] = json.dumps(sources, sort_keys=True).encode()
+    return metadata
 
 
 def read_settings(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
@@ -28,32 +38,82 @@ def read_settings(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
     return json.loads(raw) if raw else None
 
 
-def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, Any]) -> bool:
-    """SPEC 2 skip rule: the shard exists, its footer row count and recorded settings match, and
-    every page of it reads and matches its checksum (a damaged shard is rebuilt).
+def read_sources(parquet_file: pq.ParquetFile) -> dict[str, Any] | None:
+    """The fingerprints of the shards an output was made from, as recorded; None when it recorded none."""
+    raw = (parquet_file.schema_arrow.metadata or {}).get(SOURCES_KEY)
+    try:
+        sources = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return sources if isinstance(sources, dict) else None
+
+
+def staleness(
+    location, rel: str, expected_rows: int, settings: dict[str, Any], sources: dict[str, Any] | None = None
+) -> str | None:
+    """Why `location/rel` is not up to date (SPEC 2's skip rule), or None when it is: it exists, its
+    footer row count, recorded settings and recorded sources (when given) match, and every page of
+    it reads and matches its checksum (a damaged shard is rebuilt).
 
     The checksum pass reads the whole shard (its bytes, no image is decoded), and only when the
     footer already matches. A storage error (StorageError) propagates: the shard fails and is
     retried; it must not make a finished shard look missing or damaged and trigger a rebuild.
     """
     if not location.exists(rel):
-        return False
+        return MISSING
     try:
         existing = location.parquet_file(rel)
     except (OSError, ValueError, pa.ArrowException):  # unreadable or not Parquet: rebuild it
-        return False
+        return UNREADABLE
     with existing:
         try:
             recorded_rows, recorded = existing.metadata.num_rows, read_settings(existing)
         except ValueError:  # recorded settings that are not JSON
-            return False
-        if recorded_rows != expected_rows or recorded != _normalised(settings):
-            return False
+            return UNREADABLE
+        if recorded_rows != expected_rows:
+            return ROWS
+        if recorded != _normalised(settings):
+            return SETTINGS
+        if sources is not None and read_sources(existing) != _normalised(sources):
+            return SOURCES
         try:
             verify_page_checksums(existing, location.child(rel))
         except ShardError:
-            return False
-    return True
+            return DAMAGED
+    return None
+
+
+def resized_sources(layout, rel: str, main_shard: pq.ParquetFile | None = None) -> dict[str, Any]:
+    """The fingerprints of what a resized shard is made from: its main shard."""
+    return {"main": source_fingerprint(layout.main, rel, main_shard)}
+
+
+def sidecar_sources(layout, rel: str, main_shard: pq.ParquetFile | None = None) -> dict[str, Any]:
+    """The fingerprints of what a sidecar shard is made from: its main shard, its caption shard (when
+    captions are a dataset of their own) and both resized shards. A change to any makes it stale."""
+    sources = {
+        "main": source_fingerprint(layout.main, rel, main_shard),
+        **{f"resized_{name}": output.location.fingerprint(rel) for name, output in layout.resized.items()},
+    }
+    if layout.captions is not None:
+        sources["captions"] = source_fingerprint(layout.captions, rel)
+    return sources
+
+
+def stale_sources(recorded: dict[str, Any] | None, current: dict[str, Any]) -> str | None:
+    """What an output's recorded sources say about it, when they are not the current ones (for messages)."""
+    if recorded is None:
+        return "it records no source fingerprints (built by an older version)"
+    changed = [name for name in current if recorded.get(name) != current[name]]
+    if not changed:
+        return None
+    return "built from another version of " + ", ".join(
+        f"{n} (recorded {recorded.get(n)}, now {current[n]})" for n in changed
+    )
+
+
+def is_up_to_date(location, rel: str, expected_rows: int, settings: dict[str, Any], sources=None) -> bool:
+    return staleness(location, rel, expected_rows, settings, sources) is None
 
 
 def _normalised(settings: dict[str, Any]) -> dict[str, Any]:

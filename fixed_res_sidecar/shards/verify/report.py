@@ -159,12 +159,16 @@ def main_keys(main: Location, rel: str, key_column: str) -> pa.ChunkedArray:
         return read_columns(parquet_file, [key_column], main.child(rel)).column(key_column)
 
 
-def check_row_count(uri: str, rows: int, main_rows: int, what: str) -> CheckResult:
-    metadata = {"rows": rows, "main_rows": main_rows}
+def check_row_count(uri: str, rows: int, main_rows: int, what: str, stale: str | None = None) -> CheckResult:
+    """The shard is complete: as many rows as main's, and made from main's current version (`stale`,
+    when given, says how it is not)."""
+    metadata = {"rows": rows, "main_rows": main_rows, "stale": stale is not None}
     if rows != main_rows:
         message = f"{what} shard {uri} has {rows} rows, the main shard has {main_rows}"
         return CheckResult(SHARD_COMPLETE, False, message, metadata)
-    return CheckResult(SHARD_COMPLETE, True, f"{uri}: {rows} rows, as in main", metadata)
+    if stale is not None:
+        return CheckResult(SHARD_COMPLETE, False, f"{what} shard {uri} is stale: {stale}", metadata)
+    return CheckResult(SHARD_COMPLETE, True, f"{uri}: {rows} rows, as in main, made from its current version", metadata)
 
 
 def check_keys(uri: str, expected: pa.ChunkedArray, table: pa.Table, key_column: str) -> CheckResult:

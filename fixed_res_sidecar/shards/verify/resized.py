@@ -33,6 +33,7 @@ from fixed_res_sidecar.core.image_cell import has_image, image_bytes_array, is_i
 from fixed_res_sidecar.core.pixels import open_image
 from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
+from fixed_res_sidecar.shards.settings import read_sources, resized_sources, stale_sources
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     MAX_EXAMPLES,
@@ -73,6 +74,7 @@ class VerifyOptions:
 class _ResizedShard:
     uri: str
     rows: int
+    stale: str | None  # how it is not made from main's current version, if it is not
     columns: pa.Table  # key + audit columns that exist
     has_image: list[bool] | None  # per row: a non-empty image cell; None without a usable image column
     sampled: dict[int, bytes]  # row -> encoded image, for the sampled rows
@@ -107,7 +109,7 @@ def verify_resized_shard(
     report.rows = shard.rows
     audit = guarded(AUDIT_CONSISTENT, uri, _check_audit, shard, key_column, prefix)
     report.checks = [
-        guarded(SHARD_COMPLETE, uri, check_row_count, uri, shard.rows, len(expected_keys), "output"),
+        guarded(SHARD_COMPLETE, uri, check_row_count, uri, shard.rows, len(expected_keys), "output", shard.stale),
         guarded(KEYS_MATCH, uri, check_keys, uri, expected_keys, shard.columns, key_column),
         guarded(SAMPLE_IMAGES, uri, _check_sample_images, shard, key_column, prefix, output.area, options),
         audit,
@@ -143,6 +145,7 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
     uri, image_column = output.location.child(rel), layout.image_column
     with open_shard(output.location, rel, "output") as parquet_file:
         rows = parquet_file.metadata.num_rows
+        stale = stale_sources(read_sources(parquet_file), resized_sources(layout, rel))
         # Every column but the images (key and audit columns, anything else too), so with the image
         # pass below every page of the shard is read and checked against its checksum.
         columns = read_columns(parquet_file, [n for n in parquet_file.schema_arrow.names if n != image_column], uri)
@@ -150,11 +153,11 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
         valid = columns.column(valid_name).to_pylist() if valid_name in columns.column_names else [True] * rows
         sampled_rows = sample_rows([i for i, v in enumerate(valid) if v], sample, rel)  # sorted
         if image_column not in parquet_file.schema_arrow.names:
-            return _ResizedShard(uri, rows, columns, None, {}, f"image column {image_column!r} is missing")
+            return _ResizedShard(uri, rows, stale, columns, None, {}, f"image column {image_column!r} is missing")
         image_type = parquet_file.schema_arrow.field(image_column).type
         if not is_image_type(image_type):
             problem = f"image column {image_column!r} has type {image_type}, not encoded bytes"
-            return _ResizedShard(uri, rows, columns, None, {}, problem)
+            return _ResizedShard(uri, rows, stale, columns, None, {}, problem)
         present: list[bool] = []
         sampled: dict[int, bytes] = {}
         # One streaming pass: every row's presence by Arrow compute; only the sampled rows'
@@ -168,7 +171,7 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
                 for offset, data in zip(in_batch, image_bytes_array(cells).take(in_batch).to_pylist()):
                     if data:
                         sampled[start + offset] = data
-        return _ResizedShard(uri, rows, columns, present, sampled)
+        return _ResizedShard(uri, rows, stale, columns, present, sampled)
 
 
 def aspect_tolerance(target: tuple[int, int], crop_height: float) -> float:

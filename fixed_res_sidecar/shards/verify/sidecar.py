@@ -31,7 +31,7 @@ from fixed_res_sidecar.core.bbox import (
 )
 from fixed_res_sidecar.io.parquet import ShardError, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
-from fixed_res_sidecar.shards.settings import SidecarReading
+from fixed_res_sidecar.shards.settings import SidecarReading, read_sources, sidecar_sources, stale_sources
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     SHARD_COMPLETE,
@@ -71,6 +71,7 @@ def verify_crop_bbox_shard(layout: DatasetLayout, rel: str) -> ShardReport:
             rows = parquet_file.metadata.num_rows
             table = read_columns(parquet_file, [key_column, *CROP_COLUMNS.values(), META_COLUMN], uri)
             recorded = SidecarReading.of(parquet_file)
+            stale = stale_sources(read_sources(parquet_file), sidecar_sources(layout, rel))
     except ShardError as problem:
         report.checks = not_checked(CROP_BBOX_CHECKS, problem, shard_incomplete=True)
         return report
@@ -81,7 +82,7 @@ def verify_crop_bbox_shard(layout: DatasetLayout, rel: str) -> ShardReport:
     report.rows = rows
     meta = guarded(META_MATCHES_AUDIT, uri, _check_meta, uri, rel, table, key_column, layout.resized)
     report.checks = [
-        guarded(SHARD_COMPLETE, uri, check_row_count, uri, rows, len(expected_keys), "sidecar"),
+        guarded(SHARD_COMPLETE, uri, check_row_count, uri, rows, len(expected_keys), "sidecar", stale),
         guarded(SIDECAR_COLUMNS, uri, _check_sidecar_columns, uri, table),
         guarded(KEYS_MATCH, uri, check_keys, uri, expected_keys, table, key_column),
         guarded(BOXES_VALID, uri, _check_boxes, uri, table, key_column, bbox_keys),

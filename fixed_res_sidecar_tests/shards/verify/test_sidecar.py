@@ -6,6 +6,7 @@ from pathlib import Path
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS, META_COLUMN
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 from fixed_res_sidecar.shards.verify import (
     BOXES_VALID,
     KEYS_MATCH,
@@ -110,7 +111,10 @@ def test_crop_checks_use_the_box_keys_and_frame_the_sidecar_recorded(sidecar_bui
 
 
 def test_sidecar_without_recorded_settings_uses_the_defaults(sidecar_build):
-    rewrite_shard(sidecar_build.sidecar, REL, lambda t: t.replace_schema_metadata(None))  # no footer settings
+    def without_settings(table):
+        return table.replace_schema_metadata({k: v for k, v in table.schema.metadata.items() if k != SETTINGS_KEY})
+
+    rewrite_shard(sidecar_build.sidecar, REL, without_settings)  # no footer settings (its sources kept)
     report = sidecar_build.verify_crop()
     assert report.passed and report.stats["bbox_keys"] == ["bbox", "box_2d", "bbox_2d"]
     assert report.stats["caption_frame"] == "oriented"
