@@ -115,6 +115,7 @@ def resized_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) 
             options=dataset.pixel_options(),
             threads=sidecar.threads_for(dataset.threads_per_shard),
             skip_existing=sidecar.skip_existing,
+            memory_gb=dataset.run_resources.memory_gb,
         )
         context.log.info(f"{rel}: {result.status_text}")
         for resolution, summary in zip(selected, result.outputs):

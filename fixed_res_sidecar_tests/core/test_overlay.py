@@ -8,9 +8,11 @@ import time
 import pytest
 from PIL import EpsImagePlugin, Image
 
+from fixed_res_sidecar.core.bbox import DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.overlay import (
     BOX_COLOURS,
     BOX_STROKE,
+    MAX_DRAWN_BOXES,
     PANEL_GAP,
     PANEL_HEIGHT,
     TITLE_HEIGHT,
@@ -18,6 +20,7 @@ from fixed_res_sidecar.core.overlay import (
     iter_box_slots,
     overlay_picture,
     overlay_width,
+    panel_boxes,
 )
 from fixed_res_sidecar.core.pixels import PixelOptions, process_image
 from fixed_res_sidecar_tests.fixtures.images import png_header_only
@@ -226,3 +229,23 @@ def test_headers_over_the_pixel_limit_are_not_decoded():
     assert decode(
         overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999)
     ).width == overlay_width([PANEL_HEIGHT] * 3)
+
+
+def test_a_panel_draws_the_boxes_of_the_first_slots_only_and_its_title_says_so():
+    """A caption of a million boxes took over 300 s and 2.3 GB for one picture; now the first
+    MAX_DRAWN_BOXES slots are drawn and the rest only counted."""
+    corner, big = (0, 0, 20, 20), (300, 300, 900, 900)
+    many = [corner] * MAX_DRAWN_BOXES + [big] * 50
+    boxes, words = panel_boxes(caption(*many), DEFAULT_BBOX_KEYS)
+    assert [slot.index for slot, _ in boxes] == list(range(MAX_DRAWN_BOXES))
+    assert words == f"{MAX_DRAWN_BOXES} boxes drawn from the first {MAX_DRAWN_BOXES} of {len(many)} box slots"
+    assert panel_boxes(caption(corner, big), DEFAULT_BBOX_KEYS)[1] == "2 boxes"
+    assert panel_boxes("{oops", DEFAULT_BBOX_KEYS, crop_frame=True) == ([], "crop caption invalid JSON")
+
+    size = (400, 400)
+    for last_drawn in (MAX_DRAWN_BOXES - 1, MAX_DRAWN_BOXES):
+        boxes_in_caption = [corner] * last_drawn + [big]
+        picture = decode(overlay_picture(encoded(size), caption(*boxes_in_caption), None, None, None, None))
+        stroke = picture.getpixel(left_edge_pixel(big, 0, (PANEL_HEIGHT, PANEL_HEIGHT)))
+        drawn = stroke == BOX_COLOURS[last_drawn % len(BOX_COLOURS)]
+        assert drawn is (last_drawn < MAX_DRAWN_BOXES)
