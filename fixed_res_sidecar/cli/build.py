@@ -10,7 +10,7 @@ from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
-from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.resize import DECODE_MEMORY_SHARE, DEFAULT_TASK_MEMORY_GB, build_resized_shard
 from fixed_res_sidecar.shards.runner import (
     Progress,
     RunSummary,
@@ -60,7 +60,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
     parser.add_argument("--max-inflight", type=int, default=8, help="shards in flight at once")
     parser.add_argument("--task-cpus", type=int, default=1, help="CPUs per shard task")
-    parser.add_argument("--task-memory-gb", type=float, default=4.0, help="memory per shard task (Ray)")
+    parser.add_argument(
+        "--task-memory-gb",
+        type=float,
+        default=DEFAULT_TASK_MEMORY_GB,
+        help=f"memory per shard task in GiB (default {DEFAULT_TASK_MEMORY_GB:g}): Ray reserves it per task, and a "
+        f"shard's decoded images in flight stay within {DECODE_MEMORY_SHARE * 100:.0f}%% of it; an image that alone "
+        "needs more is audited too_large",
+    )
     parser.add_argument("--threads-per-shard", type=int, default=1, help="resize threads inside one shard")
     parser.add_argument("--use-ray", action="store_true", help="run shards as Ray tasks")
     parser.add_argument("--ray-address", default=None, help="Ray cluster address (default: RAY_ADDRESS or local)")
@@ -114,6 +121,7 @@ def run(args) -> int:
         options=options,
         threads=args.threads_per_shard,
         skip_existing=args.skip_existing,
+        memory_gb=args.task_memory_gb,
     )
     targets = ", ".join(o.location.uri for o in layout.resized.values())
     print(f"{len(shards)} shards under {main.uri} -> {targets}", file=sys.stderr)

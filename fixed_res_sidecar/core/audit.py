@@ -1,7 +1,16 @@
-"""The per-row audit record of a resized image and its Parquet columns (SPEC section 5)."""
+"""The per-row audit record of a resized image and its Parquet columns (SPEC section 5).
 
+Integer columns whose values come from an image file (its sizes and frame count, and the output
+size derived from them) are int64: a header may claim any size, and a claimed 2^32 - 1 px side
+is audited as it is (the row is then `too_large`). Writing audits never fails over one row's
+values (`audit_arrays`): a value its column cannot hold (an integer beyond int64, text that is
+not valid Unicode) is stored as null or as escaped text instead.
+"""
+
+import numbers
 from dataclasses import dataclass, fields
 from enum import Enum
+from typing import Any
 
 import pyarrow as pa
 
@@ -46,20 +55,20 @@ AUDIT_TYPES: dict[str, pa.DataType] = {
     "valid": pa.bool_(),
     "error": pa.string(),
     "error_detail": pa.string(),
-    "src_width": pa.int32(),
-    "src_height": pa.int32(),
+    "src_width": pa.int64(),
+    "src_height": pa.int64(),
     "src_format": pa.string(),
     "src_mode": pa.string(),
     "exif_orientation": pa.int8(),
-    "n_frames": pa.int32(),
-    "width": pa.int32(),
-    "height": pa.int32(),
+    "n_frames": pa.int64(),
+    "width": pa.int64(),
+    "height": pa.int64(),
     "crop_x0": pa.float64(),
     "crop_y0": pa.float64(),
     "crop_x1": pa.float64(),
     "crop_y1": pa.float64(),
     "scale": pa.float64(),
-    "out_bytes": pa.int32(),
+    "out_bytes": pa.int64(),
 }
 AUDIT_FIELDS = tuple(f.name for f in fields(AuditRecord))
 assert tuple(AUDIT_TYPES) == AUDIT_FIELDS, "AuditRecord and AUDIT_TYPES must list the same fields in order"
@@ -78,11 +87,43 @@ def audit_columns(audit_prefix: str) -> list[pa.Field]:
 
 
 def audit_arrays(audit_prefix: str, records: list[AuditRecord]) -> dict[str, pa.Array]:
-    """Column name -> array for a batch of records."""
+    """Column name -> array for a batch of records. Never fails over the values: see `storable`."""
     return {
-        field.name: pa.array([getattr(r, name) for r in records], type=field.type)
+        field.name: pa.array([storable(getattr(r, name), field.type) for r in records], type=field.type)
         for name, field in zip(AUDIT_TYPES, audit_columns(audit_prefix))
     }
+
+
+def storable(value: Any, dtype: pa.DataType) -> Any:
+    """`value` as an audit column of type `dtype` can hold it.
+
+    `valid` (bool) is never null. An integer outside the column's range, a number too large
+    for a double, or a value of the wrong kind becomes null (unknown); the row's error_detail
+    says what the file claimed. Text that is not valid Unicode (lone surrogates) is kept with
+    those characters escaped (`\\ud83d`).
+    """
+    if pa.types.is_boolean(dtype):
+        return bool(value)
+    if value is None:
+        return None
+    if pa.types.is_integer(dtype):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            return None
+        bits = dtype.bit_width - 1
+        return int(value) if -(2**bits) <= value < 2**bits else None
+    if pa.types.is_floating(dtype):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            return None
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    text = value if isinstance(value, str) else str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 class AuditColumnsError(ValueError):

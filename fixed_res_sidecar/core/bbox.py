@@ -5,12 +5,16 @@ Pure functions: JSON text and audit records in, JSON text out. No storage, no im
 Rules, exactly:
 
 * Caption parsing. A null caption, or one that is only whitespace, is `missing`. Anything
-  that is not strict JSON is `invalid_json`: this includes `NaN`/`Infinity` and numbers
-  too large for a double, which Python's json module would otherwise accept or produce, and
-  nesting too deep to walk (about a thousand levels).
+  that is not strict JSON text is `invalid_json`: this includes bytes that are not UTF-8,
+  `NaN`/`Infinity`, numbers too large for a double and lone surrogate escapes such as
+  `"\\ud83d"` (half an emoji, from a cut string), which Python's json module would otherwise
+  accept or produce, and nesting deeper than MAX_CAPTION_DEPTH (500) levels: one bound, the
+  same for the builder, the verifier and the overlays, well inside what the JSON parser
+  manages from any caller.
   Either way both crop columns are null and the meta says why.
-* What is a box. The JSON is walked recursively (`map_box_slots`, the one walker every
-  reader of captions uses); only values under a key in `bbox_keys` are touched, and
+* What is a box. The JSON is walked depth first (`walk_box_slots` and `map_box_slots`, the
+  one walk every reader of captions uses, with an explicit stack rather than recursion, so
+  the depth of a caption costs no Python stack); only values under a key in `bbox_keys` are touched, and
   everything else is copied unchanged in key order. Under such a key: `[]` stays `[]` (no
   box); a list holding at least one list is a list of boxes, each element a box slot of its
   own; any other value is one box slot. A slot holding `null` stays `null` and is not
@@ -54,7 +58,8 @@ doubles), not byte-for-byte. `bbox_resize_meta` is machine data: compact separat
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -64,7 +69,9 @@ from fixed_res_sidecar.core.audit import AuditRecord
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 
 # Bump when the output of this module changes for the same input: skip-existing compares it.
-CROP_BBOX_VERSION = 2  # 2: the sidecar shard is written with page checksums
+# 2: the sidecar shard is written with page checksums; 3: captions nested deeper than the walk's
+# bound are invalid_json.
+CROP_BBOX_VERSION = 3
 
 DEFAULT_BBOX_KEYS = ("bbox", "box_2d", "bbox_2d")
 # The sidecar's columns besides the key (SPEC 6): one crop caption per resolution, and the meta.
@@ -74,8 +81,15 @@ CAPTION_FRAMES = ("oriented", "raw")
 GRID = 1000  # boxes are normalised to 0..GRID
 EDGE_TOLERANCE = 1e-6  # grid units; a value this far past an edge still counts as inside
 
+# Deeper captions are `invalid_json` everywhere (see parse_caption).
+MAX_CAPTION_DEPTH = 500
+
 CAPTION_SEPARATORS = (", ", ": ")
 META_SEPARATORS = (",", ":")
+
+
+class AuditInconsistent(ValueError):
+    """A resize audit row the sidecar cannot use (valid, but without its crop geometry)."""
 
 
 class CaptionStatus(str, Enum):
@@ -168,7 +182,41 @@ def parse_caption(caption: str | bytes | None) -> tuple[CaptionStatus, Any]:
         value = json.loads(caption, parse_constant=_reject_constant, parse_float=_parse_finite_float)
     except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
         return CaptionStatus.INVALID_JSON, None
+    if _SURROGATE_ESCAPE.search(caption) and not _is_unicode_text(value):
+        return CaptionStatus.INVALID_JSON, None
+    if caption.count("[") + caption.count("{") > MAX_CAPTION_DEPTH and _deeper_than(value, MAX_CAPTION_DEPTH):
+        return CaptionStatus.INVALID_JSON, None
     return CaptionStatus.OK, value
+
+
+# A \uD800-\uDFFF escape: the only way JSON text gives a string a lone surrogate (a pair is fine).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _is_unicode_text(value: Any) -> bool:
+    """Whether every string of a parsed caption is valid Unicode (no lone surrogate)."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests containers more than `limit` levels deep (a scalar is 0).
+
+    Level by level, without recursion."""
+    level = [value] if type(value) in _CONTAINERS else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [c for node in level for c in (node.values() if type(node) is dict else node) if type(c) in _CONTAINERS]
+    return False
+
+
+_CONTAINERS = (dict, list)
 
 
 def dump_caption(value: Any) -> str:
@@ -210,11 +258,14 @@ def caption_box_to_oriented(
 
 def is_valid_crop_box(value: Any) -> bool:
     """A box of a crop caption: four integers in 0..1000, [ymin, xmin, ymax, xmax], min <= max."""
-    if not isinstance(value, list) or len(value) != 4:
+    # Exact types (JSON gives int, never a subclass; bool is not a number here): the verifier
+    # runs this on every box of a shard.
+    if type(value) is not list or len(value) != 4:
         return False
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    ymin, xmin, ymax, xmax = value
+    if not (type(ymin) is int and type(xmin) is int and type(ymax) is int and type(xmax) is int):
         return False
-    return parse_box(value) is not None
+    return 0 <= ymin <= ymax <= GRID and 0 <= xmin <= xmax <= GRID
 
 
 def _round_half_up(value: float) -> int:
@@ -293,9 +344,28 @@ def is_box_list(value: Any, crop_frame: bool = False) -> bool:
     """
     if not isinstance(value, list) or not value:
         return False
-    if any(isinstance(item, list) for item in value):
-        return True
-    return crop_frame and all(item is None for item in value)
+    for item in value:  # a plain loop: this runs for every box of every caption
+        if isinstance(item, list):
+            return True
+    return crop_frame and value[0] is None and all(item is None for item in value)
+
+
+def walk_box_slots(
+    caption: Any, bbox_keys: Iterable[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False
+) -> Iterator[BoxSlot]:
+    """Every box slot of a parsed caption, in walk order, as it is reached (see `map_box_slots`).
+
+    Lazy: a reader that needs only the first slots (an overlay picture) stops early.
+    """
+    for index, (value, holder, key, item, parts, _, _) in enumerate(
+        _walk(caption, frozenset(bbox_keys), crop_frame, None)
+    ):
+        yield BoxSlot(index, value, holder, key, item, parts)
+
+
+def box_slots(caption: Any, bbox_keys: Iterable[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False) -> list[BoxSlot]:
+    """Every box slot of a parsed caption, in walk order (see `map_box_slots`)."""
+    return list(walk_box_slots(caption, bbox_keys, crop_frame=crop_frame))
 
 
 def map_box_slots(
@@ -311,55 +381,78 @@ def map_box_slots(
     a key in `bbox_keys`, `[]` holds no slot, a list of boxes (`is_box_list`) one slot per
     element, and any other value (null included) is one slot. Everything else is copied
     unchanged. `crop_frame` says the caption is a crop variant (see `is_box_list`). The input
-    is not modified. Raises RecursionError for captions nested too deep to walk.
+    is not modified. Any depth is walked (an explicit stack, no recursion); parse_caption
+    bounds the depth of what reaches here.
 
     `replace(value, holder, key, item, holder_parts)` is called once per slot, in walk order,
     with the fields of `BoxSlot` (no object is made: the transform runs on every row);
-    `box_slots` collects them as BoxSlots.
+    `walk_box_slots` gives them as BoxSlots.
     """
-    keys = frozenset(bbox_keys)
+    if not isinstance(caption, (dict, list)):
+        return caption
+    root: dict | list = {} if isinstance(caption, dict) else []
+    for value, holder, key, item, parts, target, place in _walk(caption, frozenset(bbox_keys), crop_frame, root):
+        target[place] = replace(value, holder, key, item, parts)
+    return root
 
-    def at_box_key(holder: dict, key: str, value: Any, parts: Any) -> Any:
-        if isinstance(value, list) and not value:
-            return value
-        if is_box_list(value, crop_frame):
-            result = []
-            for i, item in enumerate(value):
-                result.append(replace(item, holder, key, i, parts))
-            return result
-        return replace(value, holder, key, None, parts)
 
-    def walk(node: Any, parts: Any) -> Any:
-        # Plain loops, not comprehensions: one Python frame per JSON level, so deep captions fit.
-        # Scalars are copied without a call (most of a caption's values).
+def _walk(
+    caption: Any, keys: frozenset[str], crop_frame: bool, root: dict | list | None
+) -> Iterator[tuple[Any, dict, str, int | None, Any, Any, Any]]:
+    """The walk behind `map_box_slots` and `walk_box_slots`.
+
+    Yields (value, holder, key, item, holder_parts, target, place) per slot. With `root` (an
+    empty container of the caption's kind), it builds the copy as it goes, and `target[place]`
+    is where the slot's replacement belongs (holding None until the caller sets it).
+    """
+    if not isinstance(caption, (dict, list)):
+        return
+    # One entry per open container: the container, its remaining items, its copy, its JSON path.
+    stack = [(caption, _items(caption), root, None)]
+    while stack:
+        node, items, copy, parts = stack[-1]
         if isinstance(node, dict):
-            result = {}
-            for key, child in node.items():
+            for key, child in items:
                 if key in keys:
-                    result[key] = at_box_key(node, key, child, parts)
+                    if isinstance(child, list) and not child:
+                        if copy is not None:
+                            copy[key] = []
+                    elif is_box_list(child, crop_frame):
+                        slots = None if copy is None else [None] * len(child)
+                        if copy is not None:
+                            copy[key] = slots
+                        for i, element in enumerate(child):
+                            yield element, node, key, i, parts, slots, i
+                    else:
+                        if copy is not None:
+                            copy[key] = None
+                        yield child, node, key, None, parts, copy, key
                 elif isinstance(child, (dict, list)):
-                    result[key] = walk(child, (parts, key))
-                else:
-                    result[key] = child
-            return result
-        result = []
-        for i, child in enumerate(node):
-            result.append(walk(child, (parts, i)) if isinstance(child, (dict, list)) else child)
-        return result
+                    child_copy = None if copy is None else {} if isinstance(child, dict) else []
+                    if copy is not None:
+                        copy[key] = child_copy
+                    stack.append((child, _items(child), child_copy, (parts, key)))
+                    break  # down first; this object's remaining items follow
+                elif copy is not None:
+                    copy[key] = child
+            else:
+                stack.pop()
+        else:
+            for i, child in items:
+                if isinstance(child, (dict, list)):
+                    child_copy = None if copy is None else {} if isinstance(child, dict) else []
+                    if copy is not None:
+                        copy.append(child_copy)
+                    stack.append((child, _items(child), child_copy, (parts, i)))
+                    break  # down first; this list's remaining items follow
+                elif copy is not None:
+                    copy.append(child)
+            else:
+                stack.pop()
 
-    return walk(caption, None) if isinstance(caption, (dict, list)) else caption
 
-
-def box_slots(caption: Any, bbox_keys: Iterable[str] = DEFAULT_BBOX_KEYS, *, crop_frame: bool = False) -> list[BoxSlot]:
-    """Every box slot of a parsed caption, in walk order (see `map_box_slots`)."""
-    slots: list[BoxSlot] = []
-
-    def collect(value: Any, holder: dict, key: str, item: int | None, parts: Any) -> Any:
-        slots.append(BoxSlot(len(slots), value, holder, key, item, parts))
-        return value
-
-    map_box_slots(caption, bbox_keys, collect, crop_frame=crop_frame)
-    return slots
+def _items(node: dict | list) -> Iterator[tuple[Any, Any]]:
+    return iter(node.items()) if isinstance(node, dict) else enumerate(node)
 
 
 # -- a whole caption ------------------------------------------------------------------
@@ -442,7 +535,7 @@ def crop_captions_for_row(
 
     `audits` maps a resolution name ("512", "1024") to that row's resize audit. A crop caption
     is None when its resolution's row is invalid or the caption is missing or invalid JSON;
-    its counts are then None too.
+    its counts are then None too. Raises AuditInconsistent when an audit cannot be used.
     """
     if caption_frame not in CAPTION_FRAMES:
         raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
@@ -455,19 +548,14 @@ def crop_captions_for_row(
     for name, record in audits.items():
         frames[name] = CropFrame.from_audit(record) if record.valid else None
         if record.valid and frames[name] is None:
-            raise ValueError(f"resolution {name}: the audit marks the row valid but lacks its crop geometry")
+            raise AuditInconsistent(f"resolution {name}: the audit marks the row valid but lacks its crop geometry")
 
     transformed: dict[str, tuple[str, BoxCounts]] = {}
     if status is CaptionStatus.OK:
-        try:
-            for name, frame in frames.items():
-                if frame is not None:
-                    new_value, counts = transform_caption(value, frame, bbox_keys, undo_orientation)
-                    transformed[name] = (dump_caption(new_value), counts)
-        except RecursionError:
-            # Nested too deep to walk; json.loads rejects a little deeper still. Either way the
-            # caption is unusable, and it is reported like any other unreadable caption.
-            status, transformed = CaptionStatus.INVALID_JSON, {}
+        for name, frame in frames.items():
+            if frame is not None:
+                new_value, counts = transform_caption(value, frame, bbox_keys, undo_orientation)
+                transformed[name] = (dump_caption(new_value), counts)
 
     meta: dict[str, Any] = {"caption_status": status.value, "exif_orientation": orientation}
     crops: dict[str, str | None] = {}

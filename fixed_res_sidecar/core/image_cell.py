@@ -24,6 +24,23 @@ def is_image_type(dtype: pa.DataType) -> bool:
     return _is_binary(dtype) or (pa.types.is_struct(dtype) and dtype.get_field_index(BYTES_FIELD) >= 0)
 
 
+def output_image_type(dtype: pa.DataType) -> pa.DataType:
+    """The type of an output's image column for a main image column of type `dtype` (SPEC 5).
+
+    The same type, except that fixed-size binary becomes binary: encoded outputs differ in
+    size. A struct keeps its fields, its `bytes` field changed the same way.
+    """
+    if pa.types.is_fixed_size_binary(dtype):
+        return pa.binary()
+    if pa.types.is_struct(dtype):
+        index = dtype.get_field_index(BYTES_FIELD)
+        if index >= 0:
+            fields = [dtype.field(i) for i in range(dtype.num_fields)]
+            fields[index] = fields[index].with_type(output_image_type(fields[index].type))
+            return pa.struct(fields)
+    return dtype
+
+
 def image_bytes_array(array: pa.Array) -> pa.Array:
     """The binary array of an image column chunk: itself, or the struct's `bytes` child with the
     struct's own nulls applied (a null struct has no bytes)."""

@@ -11,7 +11,9 @@ Images here are untrusted input, decoded as carefully as by the resize: only the
 core/pixels.py accepts are opened, and an image whose header gives more than
 `max_source_pixels` pixels is not decoded at all (its panel says so). Box slots come from
 core/bbox.py's walker and EXIF orientation from core/orientation.py, so a picture shows
-what the resize and the sidecar did, not a second opinion.
+what the resize and the sidecar did, not a second opinion. A panel draws the boxes of the
+first MAX_DRAWN_BOXES box slots only, and its title says so when the caption has more: a
+caption of a million boxes gives a picture in seconds, not a picture nobody can read.
 """
 
 import io
@@ -26,10 +28,10 @@ from fixed_res_sidecar.core.bbox import (
     DEFAULT_BBOX_KEYS,
     BoxSlot,
     CaptionStatus,
-    box_slots,
     caption_box_to_oriented,
     parse_box,
     parse_caption,
+    walk_box_slots,
 )
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.orientation import (
@@ -63,6 +65,9 @@ BOX_COLOURS = (
     (170, 110, 40),
 )
 LABEL_KEYS = ("label", "name", "category", "object", "text")
+# Boxes drawn per panel: those of the first this many box slots (the same objects in every
+# panel). A caption may hold a million boxes; the title then says how many slots it has.
+MAX_DRAWN_BOXES = 100
 DEFAULT_MAX_SOURCE_PIXELS = PixelOptions().max_source_pixels
 
 
@@ -81,13 +86,16 @@ def iter_box_slots(
 ) -> list[LabelledSlot]:
     """Every box slot of a parsed caption, in walk order, with its label.
 
-    The slots are core/bbox.py's (`box_slots`); `crop_frame` for a crop variant. A box is
+    The slots are core/bbox.py's (`walk_box_slots`); `crop_frame` for a crop variant. A box is
     named by its object's label (the first text among LABEL_KEYS of the object holding the
     box key), else by the last part of that object's path, else by the box key; the
     elements of a list of boxes add their position.
     """
-    slots = box_slots(caption, bbox_keys, crop_frame=crop_frame)
-    return [LabelledSlot(s.index, s.path, s.value, _label(s)) for s in slots]
+    return [_labelled(slot) for slot in walk_box_slots(caption, bbox_keys, crop_frame=crop_frame)]
+
+
+def _labelled(slot: BoxSlot) -> LabelledSlot:
+    return LabelledSlot(slot.index, slot.path, slot.value, _label(slot))
 
 
 def _label(slot: BoxSlot) -> str:
@@ -166,32 +174,38 @@ def _original_panel(data, caption, label, panel_width, bbox_keys, raw_frame, max
     width, height = oriented_size(full_size, orientation)
     title = f"{label} {width}x{height}" + (f" (EXIF {orientation})" if orientation != 1 else "")
     move = (lambda box: caption_box_to_oriented(box, orientation)) if raw_frame else None
-    boxes, caption_problem = _panel_boxes(caption, bbox_keys, move)
-    title += f", {len(boxes)} boxes" if caption_problem is None else f", caption {caption_problem}"
-    return _Panel(title, _scaled(upright, panel_width), boxes)
+    boxes, caption_text = panel_boxes(caption, bbox_keys, move)
+    return _Panel(f"{title}, {caption_text}", _scaled(upright, panel_width), boxes)
 
 
 def _resized_panel(data, crop_caption, label, panel_width, bbox_keys, max_source_pixels) -> _Panel:
     image, problem = _decode(data, max_source_pixels)
     if image is None:
         return _placeholder(f"{label}: {problem}", panel_width)
-    boxes, caption_problem = _panel_boxes(crop_caption, bbox_keys, crop_frame=True)
-    title = f"{label} {image.width}x{image.height}"
-    title += f", {len(boxes)} boxes" if caption_problem is None else f", crop caption {caption_problem}"
+    boxes, caption_text = panel_boxes(crop_caption, bbox_keys, crop_frame=True)
+    title = f"{label} {image.width}x{image.height}, {caption_text}"
     return _Panel(title, _scaled(image, panel_width), boxes)
 
 
-def _panel_boxes(caption: str | None, bbox_keys, move=None, crop_frame: bool = False) -> tuple[list, str | None]:
-    """(slot, box) for every drawable box of a caption, and what is wrong with the caption."""
+def panel_boxes(caption: str | None, bbox_keys, move=None, crop_frame: bool = False) -> tuple[list, str]:
+    """(slot, box) for the drawable boxes among the first MAX_DRAWN_BOXES slots of a caption, and
+    the title's words on them: how many boxes, how many slots when they are capped, or what is
+    wrong with the caption."""
     status, parsed = parse_caption(caption)
     if status is not CaptionStatus.OK:
-        return [], "missing" if status is CaptionStatus.MISSING else "invalid JSON"
+        what = "missing" if status is CaptionStatus.MISSING else "invalid JSON"
+        return [], f"{'crop caption' if crop_frame else 'caption'} {what}"
     boxes = []
-    for slot in iter_box_slots(parsed, bbox_keys, crop_frame=crop_frame):
-        box = parse_box(slot.value)
-        if box is not None:
-            boxes.append((slot, move(box) if move else box))
-    return boxes, None
+    slots = 0
+    for slot in walk_box_slots(parsed, bbox_keys, crop_frame=crop_frame):
+        slots += 1  # every slot is counted; only the first MAX_DRAWN_BOXES are looked at
+        if slot.index < MAX_DRAWN_BOXES:
+            box = parse_box(slot.value)
+            if box is not None:
+                boxes.append((_labelled(slot), move(box) if move else box))
+    if slots > MAX_DRAWN_BOXES:
+        return boxes, f"{len(boxes)} boxes drawn from the first {MAX_DRAWN_BOXES} of {slots} box slots"
+    return boxes, f"{len(boxes)} boxes"
 
 
 def _decode(

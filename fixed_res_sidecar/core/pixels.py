@@ -2,15 +2,17 @@
 
 One call decodes a source image once and renders every requested target area from that
 decode. Pure: no storage, no Dagster, no global state beyond a small cache of colour
-transforms. Bad input never raises; it becomes an invalid `AuditRecord` with an error code.
+transforms (a memory budget is passed in). Bad input never raises; it becomes an invalid `AuditRecord` with an error code.
 
 How one image goes through (`process_image`):
 
-1. Open lazily and read only the header: format, mode, size, frame count, EXIF orientation.
-   The source limits (pixel count, smallest side, aspect ratio, encoder side limit) are
-   checked here, before any pixel is decoded.
-2. Decode once. A JPEG is decoded with shrink-on-load (`draft`) when every output is
-   small enough that the reduced decode still holds at least its resolution.
+1. Open lazily and read only the header: format, mode, size, frame count (capped at
+   MAX_COUNTED_FRAMES), EXIF orientation. The source limits (pixel count, smallest side,
+   aspect ratio, encoder side limit) are checked here, before any pixel is decoded. A
+   single-scan JPEG is opened so that compressed data cut short is reported (`_decode_stream`).
+2. Decode once, holding the estimated decode memory from the shard's budget when one is
+   given (`decode_memory_estimate`). A JPEG is decoded with shrink-on-load (`draft`) when
+   every output is small enough that the reduced decode still holds at least its resolution.
 3. Normalise the mode: palette, 1-bit, 16-bit and odd modes become L, LA, RGB, RGBA or
    CMYK; a fully opaque alpha is dropped; real alpha is premultiplied once for resampling.
 4. Per output, largest first: one Lanczos resample of the crop box in the raw (unrotated)
@@ -30,9 +32,11 @@ import hashlib
 import io
 import math
 import numbers
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from importlib import metadata
@@ -43,6 +47,7 @@ from PIL import Image, ImageChops, ImageCms, ImageMath, features
 from .audit import AuditRecord, ErrorCode
 from .errors import describe_exception
 from .geometry import Geometry, geometry
+from .memory import MemoryBudget
 from .orientation import (
     SWAPS_AXES,
     oriented_box_to_raw,
@@ -79,6 +84,21 @@ OUTPUT_FORMATS = {"webp": "WEBP", "jpeg": "JPEG", "png": "PNG"}
 PNG_COMPRESS_LEVEL = 1
 # Largest side each encoder can write.
 ENCODER_MAX_SIDE = {"webp": 16383, "jpeg": 65535, "png": 2**31 - 1}
+
+# Frames are counted up to here (GIF and TIFF walk the file to count them); a larger count is
+# recorded as this, with a note in error_detail.
+MAX_COUNTED_FRAMES = 1000
+
+# JPEG: what a single-scan sequential image's compressed data is decoded with instead of its
+# end-of-image marker (see `_decode_stream`). 16 bytes of set bits cover the decoder's 57-bit
+# read-ahead; a cut that loses more than about 3 blocks (34 bits each, read as bad codes)
+# runs out of data and is reported as truncated.
+JPEG_SCAN_PADDING = b"\xff\x00" * 16
+_JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOF0..SOF15, not DHT/JPG/DAC
+_SEQUENTIAL_HUFFMAN_FRAMES = frozenset({0xC0, 0xC1})  # baseline and extended sequential
+# A marker that ends compressed data: 0xFF followed by anything but a stuffed 0, a restart
+# marker or another 0xFF (fill).
+_MARKER_IN_SCAN = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
 # Formats that draft (shrink-on-load) applies to.
 DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
@@ -164,12 +184,19 @@ class _RowError(Exception):
         self.target = target
 
 
-def process_image(data: bytes | None, areas: Sequence[int], options: PixelOptions) -> list[ImageResult]:
+def process_image(
+    data: bytes | None, areas: Sequence[int], options: PixelOptions, budget: MemoryBudget | None = None
+) -> list[ImageResult]:
     """One decode feeds every target area; returns one result per area, same order.
 
     Never raises for bad input: every failure is an invalid result carrying an error code,
     a detail text and whatever is known about the source. Raises ValueError for areas that
     are not positive integers (bad configuration).
+
+    With a `budget` (shared by the threads of one shard), the image holds its estimated decode
+    memory (`decode_memory_estimate`, from the header) from decoding until its outputs are
+    made, waiting while other images hold too much; an image whose estimate exceeds the whole
+    budget is `too_large` without being decoded.
     """
     areas = list(areas)
     bad_areas = [area for area in areas if not _is_int(area) or area <= 0]
@@ -181,19 +208,70 @@ def process_image(data: bytes | None, areas: Sequence[int], options: PixelOption
         plans = [_plan(area, known, options) for area in areas]
         if not any(isinstance(plan, Geometry) for plan in plans):
             return [_invalid(known, plan) for plan in plans]
+        draft = _planned_draft(source, plans, options)
         try:
-            decoded = _decode(source, known, plans, options)
+            with _reserved(budget, decode_memory_estimate(source.image, draft)):
+                decoded = _decode(source, known, draft)
+                if source.orientation_read_late:
+                    plans = [_plan(area, known, options) for area in areas]
+                return _render_all(decoded, plans, known, options)
         except _RowError as err:
             # Checks run in pipeline order: an output already refused keeps its own reason.
             return [_invalid(known, plan if isinstance(plan, _RowError) else err) for plan in plans]
-        if source.orientation_read_late:
-            plans = [_plan(area, known, options) for area in areas]
-        return _render_all(decoded, plans, known, options)
     except _RowError as err:
         return [_invalid(known, err) for _ in areas]
     except Exception as exc:  # last line of defence: a bad row must never stop a shard
         err = _RowError(ErrorCode.DECODE_ERROR, describe_exception(exc))
         return [_invalid(known, err) for _ in areas]
+
+
+def decode_memory_estimate(image: Image.Image, draft: int = 1) -> int:
+    """Bytes that decoding an opened (not yet loaded) image and making its outputs may hold at
+    the peak, from its header: the decoded pixels (at 1/`draft` of each side for JPEG
+    shrink-on-load) times the peak bytes per pixel of its mode (`_peak_bytes_per_pixel`)."""
+    width, height = (-(-side // draft) for side in image.size)
+    return width * height * _peak_bytes_per_pixel(image.mode, image.has_transparency_data)
+
+
+def _peak_bytes_per_pixel(mode: str, transparent: bool) -> int:
+    """The decoded pixel (Pillow keeps 3 or 4 bands in 4 bytes), what `_normalise_mode` and
+    premultiplying convert it to while it is still held, and one byte for the resampling passes.
+
+    Measured growth of the process's peak RSS per decoded pixel stays below this: RGB 4.3
+    (estimate 5), RGBA 8.5 (10), P 5.3 (6), I;16 10.0 (12), L 0.7 (2).
+    """
+    decoded = 1 if mode in ("1", "L", "P") else 2 if mode in SIXTEEN_BIT_MODES and mode != "I" else 4
+    if mode in SIXTEEN_BIT_MODES:
+        working = 4 + 4 + 1 + (4 if transparent else 0)  # mode I, scaled, L, and an alpha band
+    elif mode in ("P", "PA", "1", "L", "RGB") and transparent:
+        working = 4 + 1 + 4  # RGBA or LA, its alpha band, premultiplied
+    elif mode in UNPREMULTIPLIED:
+        working = 4 + 1 + 4
+    elif mode in ALPHA_MODES:
+        working = 1 + 4  # its alpha band, then without alpha or premultiplied
+    elif mode in ("P", "RGBX", "YCbCr"):
+        working = 4  # RGB
+    elif mode == "1":
+        working = 1  # L
+    else:
+        working = 0
+    return decoded + working + 1
+
+
+@contextmanager
+def _reserved(budget: MemoryBudget | None, nbytes: int) -> Iterator[None]:
+    if budget is None:
+        yield
+        return
+    if nbytes > budget.total:
+        mib = 2**20
+        raise _RowError(
+            ErrorCode.TOO_LARGE,
+            f"decoding needs about {nbytes / mib:,.0f} MiB, more than the shard's decode memory budget of "
+            f"{budget.total / mib:,.0f} MiB (set by the task's memory)",
+        )
+    with budget.reserve(nbytes):
+        yield
 
 
 def pipeline_settings() -> dict[str, object]:
@@ -250,7 +328,7 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
     if data is None or len(data) == 0:
         raise _RowError(ErrorCode.MISSING_IMAGE, "image bytes are null" if data is None else "image bytes are empty")
     try:
-        image = open_image(data)
+        image = open_image(_decode_stream(data))
     except Image.DecompressionBombError as exc:
         raise _RowError(ErrorCode.TOO_LARGE, describe_exception(exc)) from None
     except Exception as exc:
@@ -259,7 +337,8 @@ def _open(data: bytes | None, known: AuditRecord, options: PixelOptions) -> _Sou
     raw_w, raw_h = image.size
     known.src_format = image.format
     known.src_mode = image.mode
-    known.n_frames = _frame_count(image)
+    known.n_frames, frames_note = _frame_count(image, data)
+    known.error_detail = frames_note  # a note on a valid row; an error replaces it
     source = _Source(image, (raw_w, raw_h), None)
     if _exif_readable_before_decode(image):
         _set_orientation(source, known, read_orientation(image))
@@ -295,6 +374,58 @@ def open_image(data: bytes) -> Image.Image:
     return Image.open(io.BytesIO(data), formats=input_formats())
 
 
+def _decode_stream(data: bytes) -> bytes:
+    """The bytes to decode: `data`, except that a single-scan sequential JPEG ends its compressed
+    data with JPEG_SCAN_PADDING instead of its end-of-image marker.
+
+    libjpeg treats a marker met inside the compressed data as the end of the data and fills
+    the blocks still missing with grey, with only a warning that Pillow drops: a JPEG cut
+    short with an end-of-image marker appended would decode "fine". Without the marker the
+    decoder has to ask for more data, and Pillow reports the image as truncated. The padding
+    (set bits, as a stuffed 0xFF 0x00) is what the decoder reads ahead past the last block of a
+    complete image; it completes at most the last few blocks of a cut one.
+    """
+    end = jpeg_scan_end(data)
+    return data if end is None else data[:end] + JPEG_SCAN_PADDING
+
+
+def jpeg_scan_end(data: bytes) -> int | None:
+    """Where the compressed data of a single-scan sequential Huffman JPEG ends (its end-of-image
+    marker, or the end of the file when there is none); None for anything else.
+
+    Progressive, multi-scan, arithmetic-coded and lossless JPEGs read every scan before
+    returning a row, so they cannot be checked this way; nor can a JPEG whose scan is followed
+    by a marker other than the end of image.
+    """
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    pos, end, frame = 2, len(data), None
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # markers without a length
+            pos += 2
+            continue
+        if marker in (0xD8, 0xD9):  # a new image or its end before any scan
+            return None
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker in _JPEG_FRAME_MARKERS:
+            frame = marker
+        if marker == 0xDA:  # start of scan: its header, then the compressed data
+            if frame not in _SEQUENTIAL_HUFFMAN_FRAMES:
+                return None
+            found = _MARKER_IN_SCAN.search(data, pos + 2 + length)
+            if found is None:
+                return end
+            return found.start() if data[found.start() + 1] == 0xD9 else None
+        pos += 2 + length
+    return None
+
+
 def too_many_pixels(width: int, height: int, max_source_pixels: int) -> str | None:
     """Why a `width x height` source is refused before decoding (decompression bombs), or None."""
     pixels = width * height
@@ -309,11 +440,79 @@ def _set_orientation(source: _Source, known: AuditRecord, orientation: int) -> N
     known.src_width, known.src_height = oriented_size(source.raw_size, orientation)
 
 
-def _frame_count(image: Image.Image) -> int | None:
+def _frame_count(image: Image.Image, data: bytes) -> tuple[int | None, str | None]:
+    """(frames, a note when the count stopped at MAX_COUNTED_FRAMES); (None, None) when unknown.
+
+    GIF and TIFF find their frames by walking the file, so a crafted file of a million tiny
+    frames would take seconds to count: the walk stops past MAX_COUNTED_FRAMES. Other formats
+    state their count in the header; a larger claim is capped the same way.
+    """
     try:
-        return int(getattr(image, "n_frames", 1))
+        if not getattr(image, "is_animated", False):
+            return 1, None
+        if image.format == "GIF":
+            frames = gif_frame_count(data, MAX_COUNTED_FRAMES + 1)
+        elif image.format == "TIFF":
+            frames = _seek_frame_count(image, MAX_COUNTED_FRAMES + 1)
+        else:
+            frames = int(image.n_frames)
     except Exception:  # a broken animation: its first frame may still decode
-        return None
+        return None, None
+    if frames > MAX_COUNTED_FRAMES:
+        return MAX_COUNTED_FRAMES, f"more than {MAX_COUNTED_FRAMES} frames; n_frames stops there"
+    return max(frames, 1), None
+
+
+def gif_frame_count(data: bytes, limit: int) -> int:
+    """The image descriptors of a GIF, counted until its trailer, the end of the data or `limit`.
+
+    What Pillow counts as frames, without Pillow's per-frame setup: block headers are read
+    and image data is skipped sub-block by sub-block.
+    """
+    flags = data[10]
+    pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # header, screen, global colour table
+    frames, end = 0, len(data)
+    while pos < end and frames < limit:
+        block = data[pos]
+        if block == 0x3B:  # trailer
+            break
+        if block == 0x21:  # extension: label, then sub-blocks
+            pos = _skip_sub_blocks(data, pos + 2)
+        elif block == 0x2C:  # image descriptor, local colour table, LZW code size, sub-blocks
+            frames += 1
+            if pos + 10 > end:
+                break
+            flags = data[pos + 9]
+            pos = _skip_sub_blocks(data, pos + 11 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0))
+        else:  # stray byte between blocks: skipped, as Pillow does
+            pos += 1
+    return frames
+
+
+def _skip_sub_blocks(data: bytes, pos: int) -> int:
+    """The position after the sub-blocks starting at `pos` (each a length byte and data; 0 ends them)."""
+    end = len(data)
+    while pos < end:
+        size = data[pos]
+        pos += 1 + size
+        if size == 0:
+            break
+    return pos
+
+
+def _seek_frame_count(image: Image.Image, limit: int) -> int:
+    """Frames counted by seeking one frame at a time (a TIFF reads each frame's directory and decodes
+    nothing), up to `limit`. One at a time: TIFF's seek past the last frame miscounts."""
+    frames = 1
+    try:
+        while frames < limit:
+            image.seek(frames)
+            frames += 1
+    except EOFError:
+        pass
+    finally:
+        image.seek(0)
+    return frames
 
 
 def _exif_readable_before_decode(image: Image.Image) -> bool:
@@ -350,12 +549,16 @@ class _Decoded:
     colour: _ColourConversion
 
 
-def _decode(source: _Source, known: AuditRecord, plans: list, options: PixelOptions) -> _Decoded:
+def _planned_draft(source: _Source, plans: list, options: PixelOptions) -> int:
+    """The JPEG shrink-on-load factor to ask for (1: none), from the largest output's scale."""
+    if not (options.draft and source.image.format in DRAFT_FORMATS and source.orientation is not None):
+        return 1
+    return draft_factor(max(plan.scale for plan in plans if isinstance(plan, Geometry)))
+
+
+def _decode(source: _Source, known: AuditRecord, draft: int) -> _Decoded:
     image = source.image
-    draft_scale = 1
-    if options.draft and image.format in DRAFT_FORMATS and source.orientation is not None:
-        largest_scale = max(plan.scale for plan in plans if isinstance(plan, Geometry))
-        draft_scale = _apply_draft(image, largest_scale)
+    draft_scale = _apply_draft(image, draft) if draft > 1 else 1
     try:
         image.load()
     except Image.DecompressionBombError as exc:
@@ -390,11 +593,8 @@ def draft_factor(largest_scale: float) -> int:
     return next((factor for factor in DRAFT_FACTORS if factor <= allowed), 1)
 
 
-def _apply_draft(image: Image.Image, largest_scale: float) -> int:
-    """Ask the JPEG decoder for shrink-on-load; returns the reduction it applied."""
-    factor = draft_factor(largest_scale)
-    if factor == 1:
-        return 1
+def _apply_draft(image: Image.Image, factor: int) -> int:
+    """Ask the JPEG decoder for shrink-on-load by `factor`; returns the reduction it applied."""
     raw_w, raw_h = image.size
     # JpegImageFile.draft takes the largest power of two <= min(raw // requested) per axis,
     # so requesting raw // factor selects exactly `factor`. It reports what it chose.
@@ -577,7 +777,7 @@ def _render(
     record = _with_geometry(replace(known), target)
     record.valid = True
     record.error = None
-    record.error_detail = note
+    record.error_detail = "; ".join(n for n in (record.error_detail, note) if n) or None
     record.out_bytes = len(encoded)
     return ImageResult(record, encoded)
 

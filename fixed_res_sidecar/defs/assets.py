@@ -23,6 +23,7 @@ No `from __future__ import annotations` here: Dagster reads the `context` annota
 
 import base64
 from collections.abc import Iterator
+from dataclasses import replace
 
 import dagster as dg
 
@@ -167,6 +168,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         todo = [rel for rel in rels if rel not in current]
         gates = {rel: unverified_resized_problems(context.instance, keys, rel) for rel in todo} if stages.crop else {}
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
+        options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
         for rel in todo:
             if rel in outcomes:

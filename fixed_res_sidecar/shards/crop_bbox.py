@@ -24,11 +24,13 @@ from fixed_res_sidecar.core.bbox import (
     CROP_BBOX_VERSION,
     CROP_COLUMNS,
     META_COLUMN,
+    AuditInconsistent,
     BoxCounts,
     CaptionStatus,
     RowResult,
     crop_captions_for_row,
 )
+from fixed_res_sidecar.core.keys import key_text, raw_key_values
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import ShardError, iter_batches, open_shard
@@ -217,8 +219,9 @@ def build_crop_bbox_shard(
             captions = by_role[caption_input.role].column(1).to_pylist() if caption_input else [None] * len(keys)
             try:
                 columns = _crop_columns(keys, captions, audits, bbox_keys, caption_frame, tally)
-            except ValueError as exc:  # a resized shard's audit is inconsistent
-                raise ShardError(f"{main_uri}, rows from {row_offset}: {exc}") from exc
+            except AuditInconsistent as exc:
+                audit_uris = ", ".join(i.uri for i in resized_inputs.values())
+                raise ShardError(f"resized shards {audit_uris}, rows from {row_offset}: {exc}") from exc
             pending.append(pa.record_batch(columns, schema=schema))
             pending_rows += len(keys)
             row_offset += len(keys)
@@ -255,8 +258,9 @@ def _crop_columns(
         row_audits = {name: audits[name][i] for name in RESOLUTIONS}
         try:
             row = crop_captions_for_row(caption, row_audits, bbox_keys, caption_frame)
-        except ValueError as exc:
-            raise ValueError(f"key {keys[i].as_py()!r}: {exc}") from exc
+        except AuditInconsistent as exc:
+            (key,) = raw_key_values(keys.slice(i, 1))
+            raise AuditInconsistent(f"key {key_text(key)!r}: {exc}") from exc
         tally.add(row, row_audits)
         for name in RESOLUTIONS:
             crops[name].append(row.crops[name])
@@ -293,7 +297,10 @@ def _check_keys(expected: pa.Array, actual: pa.Array, row_offset: int, main_uri:
             ) from exc
     if actual.equals(expected):
         return
-    for i, (want, got) in enumerate(zip(expected.to_pylist(), actual.to_pylist())):
+    for i, (want, got) in enumerate(zip(raw_key_values(expected), raw_key_values(actual))):
         if want != got:
-            raise ShardError(f"{what}: key at row {row_offset + i} is {got!r}, the main shard {main_uri} has {want!r}")
+            raise ShardError(
+                f"{what}: key at row {row_offset + i} is {key_text(got)!r}, the main shard {main_uri} has "
+                f"{key_text(want)!r}"
+            )
     raise ShardError(f"{what}: keys differ from the main shard {main_uri} near row {row_offset}")

@@ -16,7 +16,7 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import SidecarReading
-from fixed_res_sidecar.shards.verify.report import column_or_nulls, read_rows, sample_rows, shard_stem
+from fixed_res_sidecar.shards.verify.report import column_or_nulls, keys_or_nulls, read_rows, sample_rows, shard_stem
 
 
 def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sample: int) -> list[str]:
@@ -32,7 +32,7 @@ def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sampl
     with open_shard(layout.sidecar, rel, "sidecar", columns=[layout.key_column, *CROP_COLUMNS.values()]) as sidecar:
         table = read_columns(sidecar, [layout.key_column, *CROP_COLUMNS.values()], sidecar_uri)
         recorded = SidecarReading.of(sidecar)
-    keys = column_or_nulls(table, layout.key_column)
+    keys = keys_or_nulls(table, layout.key_column)
     crops = {resolution: column_or_nulls(table, column) for resolution, column in CROP_COLUMNS.items()}
     rows = sample_rows(_candidates(layout, rel, table.num_rows, crops), sample, rel)
 

@@ -15,7 +15,7 @@ from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.overlay import write_overlays
-from fixed_res_sidecar.shards.resize import ShardResult, build_resized_shard
+from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     ShardReport,
     VerifyOptions,
@@ -43,6 +43,7 @@ class PipelineOptions:
     threads: int = 1
     skip_existing: bool = True
     overlay_sample: int = 0  # overlay pictures per shard; 0 draws none
+    memory_gb: float = DEFAULT_TASK_MEMORY_GB  # memory of the task building one shard
 
 
 @dataclass
@@ -89,6 +90,7 @@ def run_stages(
                 options=options.pixels,
                 threads=options.threads,
                 skip_existing=options.skip_existing,
+                memory_gb=options.memory_gb,
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)

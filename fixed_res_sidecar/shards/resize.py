@@ -3,10 +3,21 @@
 One decode per image feeds every requested resolution (the fused build). The main
 shard is streamed by row group, images are resized on a thread pool with a bounded
 number in flight, row order is kept, and each output is written atomically.
+
+Memory: the images a shard decodes at once share one budget, DECODE_MEMORY_SHARE of the
+task's memory (`--task-memory-gb`, or a dataset's `run_resources.memory_gb`): an image
+waits until its estimated decode memory fits beside the others in flight, and one that
+alone needs more than the whole budget is audited `too_large` (core/pixels.py). The rest
+of the task's memory is for the process itself and the Parquet row groups it reads and writes.
+After a large image, freed memory is handed back to the system (`_release_freed_memory`), so
+the process's memory follows the budget rather than the sum of the largest images each
+thread ever decoded.
 """
 
 import contextlib
+import ctypes
 import dataclasses
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,7 +35,8 @@ from fixed_res_sidecar.core.audit import (
     audit_columns,
 )
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type
+from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type, output_image_type
+from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.pixels import (
     ImageResult,
     PixelOptions,
@@ -40,7 +52,17 @@ OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
 SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
 # Bump when a code change alters output bytes or columns: skip-existing then rebuilds. Not the
 # package version, which would rebuild billions of images for unrelated releases.
-RESIZE_OUTPUT_VERSION = 2  # 2: page checksums
+# 2: page checksums; 3: audit columns read from a header are int64.
+RESIZE_OUTPUT_VERSION = 3
+DEFAULT_TASK_MEMORY_GB = 4.0
+DECODE_MEMORY_SHARE = 0.5  # of the task's memory, for decoded images in flight
+GIB = 2**30
+# After a row that decoded about this many bytes, freed memory is handed back (see _release_freed_memory).
+RELEASE_AFTER_DECODED_BYTES = 64 * 2**20
+# Rows refused before any pixel was decoded.
+NOT_DECODED = frozenset(
+    code.value for code in (ErrorCode.MISSING_IMAGE, ErrorCode.TOO_LARGE, ErrorCode.TOO_SMALL, ErrorCode.ASPECT_RATIO)
+)
 
 
 @dataclass
@@ -94,10 +116,14 @@ def build_resized_shard(
     options: PixelOptions = PixelOptions(),
     threads: int = 1,
     skip_existing: bool = False,
+    memory_gb: float = DEFAULT_TASK_MEMORY_GB,
     on_rows: Callable[[int], None] | None = None,
 ) -> ShardResult:
     """Resize every image of `main/rel` into each resized output of `layout` (or those of
-    `resolutions`), from one decode per image; returns what was done."""
+    `resolutions`), from one decode per image; returns what was done.
+
+    `memory_gb` is the memory of the task running this shard; its images decode within
+    `decode_budget_bytes(memory_gb)` (see the module's docstring)."""
     started = time.monotonic()
     outputs = [layout.resized[name] for name in (resolutions if resolutions is not None else layout.resized)]
     if not outputs:
@@ -114,8 +140,16 @@ def build_resized_shard(
         for o in outputs
     }
     if todo:
-        _build(source, layout, rel, todo, settings, sources, summaries, options, threads, on_rows)
+        budget = MemoryBudget(decode_budget_bytes(memory_gb))
+        _build(source, layout, rel, todo, settings, sources, summaries, options, threads, budget, on_rows)
     return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
+
+
+def decode_budget_bytes(memory_gb: float) -> int:
+    """The bytes of decoded images one shard may hold at once, for a task of `memory_gb` GiB."""
+    if not memory_gb > 0:
+        raise ValueError(f"memory_gb must be positive, got {memory_gb!r}")
+    return max(1, int(memory_gb * GIB * DECODE_MEMORY_SHARE))
 
 
 def _open_main_shard(layout: DatasetLayout, rel: str) -> pq.ParquetFile:
@@ -129,10 +163,11 @@ def _open_main_shard(layout: DatasetLayout, rel: str) -> pq.ParquetFile:
     return source
 
 
-def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summaries, options, threads, on_rows):
+def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summaries, options, threads, budget, on_rows):
     key_column, image_column = layout.key_column, layout.image_column
     key_field = source.schema_arrow.field(key_column)
-    image_field = source.schema_arrow.field(image_column)
+    main_image_field = source.schema_arrow.field(image_column)
+    image_field = main_image_field.with_type(output_image_type(main_image_field.type))
     areas = [o.area for o in todo]
     rows = _iter_rows(source, key_column, image_column)
     with contextlib.ExitStack() as stack:
@@ -153,7 +188,9 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summarie
             stack.callback(writer.close)
             writers.append(writer)
         pool = stack.enter_context(ThreadPoolExecutor(threads)) if threads > 1 else None
-        results = _ordered_map(pool, lambda row: _process_row(row[1], areas, options), rows, 4 * max(1, threads))
+        results = _ordered_map(
+            pool, lambda row: _process_row(row[1], areas, options, budget), rows, 4 * max(1, threads)
+        )
         # The buffer holds outputs, keys and struct side fields only: source bytes are dropped
         # as soon as their row is processed, so memory is bounded by rows in flight.
         buffer: list[tuple[Any, Any, list[ImageResult]]] = []
@@ -165,8 +202,11 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summarie
         # Closing happens before write_atomic publishes: ExitStack unwinds in reverse order.
 
 
-def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[Any, Any, Any]]:
+def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> Iterator[tuple[pa.Array, Any, Any]]:
     """(key, image bytes, struct side fields) per row, one row group in memory at a time.
+
+    The key is a one-row slice of the key column, never decoded: keys are copied as they are
+    (a text column may hold bytes that are not UTF-8).
 
     Reading row group by row group keeps pyarrow's pre-buffering (combined S3 reads) to one
     group; small batches keep few source images as Python bytes at once. Side fields are the
@@ -179,7 +219,9 @@ def _iter_rows(source: pq.ParquetFile, key_column: str, image_column: str) -> It
             batch_size=SOURCE_BATCH_ROWS, row_groups=[row_group], columns=columns, use_threads=False
         )
         for batch in batches:
-            for key, cell in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+            keys = batch.column(0)
+            for row, cell in enumerate(batch.column(1).to_pylist()):
+                key = keys.slice(row, 1)
                 if isinstance(cell, dict):
                     data = cell.pop(BYTES_FIELD, None)
                     yield key, data, cell
@@ -204,18 +246,47 @@ def _ordered_map(pool, fn, items: Iterable, max_in_flight: int) -> Iterator[tupl
         yield first, future.result()
 
 
-def _process_row(data: bytes | None, areas: list[int], options: PixelOptions) -> list[ImageResult]:
+def _process_row(
+    data: bytes | None, areas: list[int], options: PixelOptions, budget: MemoryBudget
+) -> list[ImageResult]:
     try:
-        return process_image(data, areas, options)
+        results = process_image(data, areas, options, budget)
     except Exception as exc:  # noqa: BLE001 - process_image should not raise; if it does, the row is still audited
         detail = describe_exception(exc)
         return [ImageResult(AuditRecord(error=ErrorCode.DECODE_ERROR.value, error_detail=detail), None) for _ in areas]
+    record = results[0].record
+    decoded = record.error not in NOT_DECODED
+    if decoded and (record.src_width or 0) * (record.src_height or 0) * 4 >= RELEASE_AFTER_DECODED_BYTES:
+        _release_freed_memory()
+    return results
+
+
+def _find_malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
+_MALLOC_TRIM = _find_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by a large image back to the system (glibc's malloc_trim; elsewhere, nothing).
+
+    glibc keeps what a thread frees in that thread's arena: after a 196 MP image (1.6 GB) on
+    one thread, the next one on another thread took 1.6 GB more, and four decoded one after
+    the other within the budget on 4 threads still peaked at 3.1 GiB (1.6 GiB with this). A
+    trim takes tens of milliseconds, against seconds for such an image.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows) -> None:
     if not buffer:
         return
-    keys = pa.array([key for key, _, _ in buffer], type=key_field.type)
+    keys = pa.concat_arrays([key for key, _, _ in buffer])
     for index, (output, writer) in enumerate(zip(todo, writers)):
         results = [per_area[index] for _, _, per_area in buffer]
         images = _image_array([side for _, side, _ in buffer], [r.image for r in results], image_field.type)

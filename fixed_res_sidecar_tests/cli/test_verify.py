@@ -4,6 +4,8 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -331,3 +333,78 @@ def test_storage_that_keeps_failing_fails_the_command_without_a_verdict(
     document = json.loads(report_file.read_text())
     assert document["passed"] is None and document["shards"] == []
     assert sorted(document["storage_failures"]) == sidecar_build.main.list_shards()
+
+
+@pytest.mark.parametrize("key_type", ["binary", "string_holding_bytes"])
+def test_keys_that_are_not_utf8_go_through_sidecar_verifiers_reports_and_overlays(tmp_path, capsys, key_type):
+    """Keys are never decoded: reports and messages show them as text with \\xNN escapes."""
+    from fixed_res_sidecar.sample_data import sample_shard_table
+    from fixed_res_sidecar.shards.resize import build_resized_shard
+
+    table = sample_shard_table(0, 5)  # row 4 is a bad image: the reports list its key
+    raw = [b"\xff\xfe-%d" % i for i in range(5)]
+    keys = pa.array(raw, pa.binary())
+    if key_type == "string_holding_bytes":  # what a writer that does not check UTF-8 leaves
+        keys = pa.Array.from_buffers(pa.string(), len(raw), keys.buffers())
+    rel = "part-00000.parquet"
+    paths = {name: tmp_path / name for name in ("main", "512", "1024", "sidecar")}
+    paths["main"].mkdir()
+    pq.write_table(table.set_column(0, "image_key", keys), paths["main"] / rel)
+    layout = sidecar_layout(*(Location.parse(paths[name]) for name in ("main", "512", "1024", "sidecar")))
+    build_resized_shard(layout, rel)
+    build_crop_bbox_shard(layout, rel)
+
+    report = tmp_path / "resized.json"
+    assert run(*resized_args(paths, "512", "--report", report)) == 0, capsys.readouterr().out
+    (shard,) = json.loads(report.read_text())["shards"]
+    assert [example["key"] for example in shard["examples"]] == ["\\xff\\xfe-4"]
+
+    report = tmp_path / "crop.json"
+    code = run(*crop_args(paths, "--report", report, "--overlay-dir", tmp_path / "overlays", "--overlay-sample", "5"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert json.loads(report.read_text())["passed"]
+    assert len(list((tmp_path / "overlays").rglob("*.png"))) == 4  # the rows with a resized image
+
+
+def test_a_million_boxes_and_deep_nesting_stay_bounded_through_verify_with_overlays(tmp_path):
+    """The real command on captions that stalled it (a million boxes: one picture did not finish in
+    300 s) or crashed its overlays (980 levels: RecursionError). Bounded by a generous timeout."""
+    from fixed_res_sidecar.core.bbox import MAX_CAPTION_DEPTH
+    from fixed_res_sidecar.sample_data import make_photo
+    from fixed_res_sidecar.shards.resize import build_resized_shard
+
+    million = json.dumps(
+        {"regions": {"bbox_2d": [[i % 900, i * 7 % 900, i % 900 + 50, i * 7 % 900 + 50] for i in range(10**6)]}}
+    )
+
+    def nested(levels: int) -> str:
+        return '{"a": ' * (levels - 1) + '{"bbox": [100, 100, 600, 600]}' + "}" * (levels - 1)
+
+    image, _ = make_photo(320, 240, seed=5)
+    paths = {name: tmp_path / name for name in ("main", "512", "1024", "sidecar")}
+    paths["main"].mkdir()
+    shards = {"million.parquet": [million, nested(MAX_CAPTION_DEPTH - 1)], "deep.parquet": [nested(980)]}
+    for rel, captions in shards.items():
+        table = {"image_key": [f"{rel}-{i}" for i in range(len(captions))], "image": [image] * len(captions)}
+        pq.write_table(pa.table({**table, "structured_description": captions}), paths["main"] / rel)
+    layout = sidecar_layout(*(Location.parse(paths[name]) for name in ("main", "512", "1024", "sidecar")))
+    for rel in shards:
+        build_resized_shard(layout, rel)
+        build_crop_bbox_shard(layout, rel)
+
+    overlays, report = tmp_path / "overlays", tmp_path / "crop.json"
+    args = crop_args(paths, "--overlay-dir", overlays, "--overlay-sample", "2", "--report", report)
+    done = subprocess.run(
+        [sys.executable, "-m", "fixed_res_sidecar.cli", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.relative_to(overlays).as_posix() for p in overlays.rglob("*.png")) == [
+        "deep/000000-deep.parquet-0.png",
+        "million/000000-million.parquet-0.png",
+        "million/000001-million.parquet-1.png",
+    ]
+    by_shard = {shard["rel"]: shard for shard in json.loads(report.read_text())["shards"]}
+    assert by_shard["million.parquet"]["stats"]["caption_status"] == {"ok": 2}
+    assert by_shard["million.parquet"]["stats"]["boxes"]["512"]["total"] == 10**6 + 1
+    assert by_shard["deep.parquet"]["stats"]["caption_status"] == {"invalid_json": 1}

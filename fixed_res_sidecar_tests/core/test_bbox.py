@@ -11,6 +11,7 @@ from PIL import Image, ImageOps
 
 from fixed_res_sidecar.core.audit import AuditRecord
 from fixed_res_sidecar.core.bbox import (
+    MAX_CAPTION_DEPTH,
     BoxCounts,
     BoxOutcome,
     CaptionStatus,
@@ -359,6 +360,64 @@ def test_deeply_nested_captions():
     too_deep = "[" * 100_000 + "]" * 100_000
     row = crop_captions_for_row(too_deep, {"512": audit()})
     assert row.caption_status == "invalid_json" and row.crops["512"] is None
+
+
+def nested_caption(levels: int) -> str:
+    """A caption of `levels` nested objects, the innermost holding one box (levels + 1 containers deep)."""
+    return '{"a": ' * (levels - 1) + '{"bbox": [100, 300, 400, 600]}' + "}" * (levels - 1)
+
+
+def at_stack_depth(frames: int, call):
+    """`call()` made `frames` Python frames deeper than here (as from a deep caller: Dagster, a CLI thread)."""
+    return call() if frames == 0 else at_stack_depth(frames - 1, call)
+
+
+@pytest.mark.parametrize(
+    "levels, status",
+    [(MAX_CAPTION_DEPTH - 1, CaptionStatus.OK), (MAX_CAPTION_DEPTH, CaptionStatus.INVALID_JSON), (980, None)],
+)
+def test_caption_depth_is_judged_alike_from_any_caller(levels, status):
+    """One bound for the builder, the verifier and the overlays: the parser's own limit depends on
+    how deep its caller already is (980 levels parsed in the builder, failed in the overlays)."""
+    text = nested_caption(levels)
+    shallow = parse_caption(text)[0]
+    deep = at_stack_depth(400, lambda: parse_caption(text)[0])
+    assert shallow is deep is (status or CaptionStatus.INVALID_JSON)
+    row = at_stack_depth(400, lambda: crop_captions_for_row(text, {"512": audit()}))
+    assert row.caption_status == shallow.value
+    if shallow is CaptionStatus.OK:
+        assert '{"bbox": [100, 100, 400, 700]}' in row.crops["512"]
+        (slot,) = at_stack_depth(400, lambda: box_slots(parse_caption(text)[1]))
+        assert slot.value == [100, 300, 400, 600] and slot.path == ".".join(["a"] * (levels - 1) + ["bbox"])
+
+
+def test_the_walk_takes_no_python_stack_per_level():
+    deep: dict = {"bbox": [1, 2, 3, 4]}
+    for _ in range(20_000):  # far past Python's recursion limit
+        deep = {"a": [deep]}
+    (slot,) = box_slots(deep)
+    assert slot.value == [1, 2, 3, 4] and slot.index == 0
+    mapped = map_box_slots(deep, ["bbox"], lambda value, *_: "moved")
+    for _ in range(20_000):
+        mapped = mapped["a"][0]
+    assert mapped == {"bbox": "moved"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"label": "\\ud83d", "bbox": [1, 2, 3, 4]}', '["\\udc00"]', b'{"label": "\\uD83D"}', '{"\\ud800": 1}'],
+)
+def test_a_lone_surrogate_is_invalid_json(text):
+    """Valid JSON syntax, but not Unicode text: half an emoji from a cut string cannot be written as UTF-8."""
+    assert parse_caption(text)[0] is CaptionStatus.INVALID_JSON
+    row = crop_captions_for_row(text, {"512": audit(), "1024": audit()})
+    assert row.caption_status == "invalid_json" and row.crops == {"512": None, "1024": None}
+    row.meta_json().encode("utf-8")
+
+
+def test_surrogate_pairs_and_escaped_backslashes_are_fine():
+    assert parse_caption('{"label": "\\ud83d\\ude00"}') == (CaptionStatus.OK, {"label": "\U0001f600"})
+    assert parse_caption('{"label": "\\\\ud83d"}') == (CaptionStatus.OK, {"label": "\\ud83d"})
 
 
 def test_valid_audit_without_geometry_is_an_error():

@@ -7,9 +7,11 @@ import struct
 import pytest
 from PIL import EpsImagePlugin, Image
 
+from fixed_res_sidecar.core.bbox import DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.overlay import (
     BOX_COLOURS,
     BOX_STROKE,
+    MAX_DRAWN_BOXES,
     PANEL_WIDTH,
     PLACEHOLDER,
     TITLE_HEIGHT,
@@ -17,6 +19,7 @@ from fixed_res_sidecar.core.overlay import (
     embeddable,
     iter_box_slots,
     overlay_picture,
+    panel_boxes,
     panel_origins,
     panel_size,
     picture_size,
@@ -249,3 +252,23 @@ def test_headers_over_the_pixel_limit_are_not_decoded():
     assert placeholder_panels(shown, sizes) == [False, True, True]
     refused = decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999))
     assert placeholder_panels(refused, sizes) == [True, True, True]
+
+
+def test_a_panel_draws_the_boxes_of_the_first_slots_only_and_its_title_says_so():
+    """A caption of a million boxes took over 300 s and 2.3 GB for one picture; now the first
+    MAX_DRAWN_BOXES slots are drawn and the rest only counted."""
+    corner, big = (0, 0, 20, 20), (300, 300, 900, 900)
+    many = [corner] * MAX_DRAWN_BOXES + [big] * 50
+    boxes, words = panel_boxes(caption(*many), DEFAULT_BBOX_KEYS)
+    assert [slot.index for slot, _ in boxes] == list(range(MAX_DRAWN_BOXES))
+    assert words == f"{MAX_DRAWN_BOXES} boxes drawn from the first {MAX_DRAWN_BOXES} of {len(many)} box slots"
+    assert panel_boxes(caption(corner, big), DEFAULT_BBOX_KEYS)[1] == "2 boxes"
+    assert panel_boxes("{oops", DEFAULT_BBOX_KEYS, crop_frame=True) == ([], "crop caption invalid JSON")
+
+    size = (400, 400)
+    for last_drawn in (MAX_DRAWN_BOXES - 1, MAX_DRAWN_BOXES):
+        boxes_in_caption = [corner] * last_drawn + [big]
+        picture = decode(overlay_picture(encoded(size), caption(*boxes_in_caption), None, None, None, None))
+        stroke = picture.getpixel(left_edge_pixel(big, panel_origins([panel_size(*size)])[0], panel_size(*size)))
+        drawn = stroke == BOX_COLOURS[last_drawn % len(BOX_COLOURS)]
+        assert drawn is (last_drawn < MAX_DRAWN_BOXES)

@@ -16,14 +16,20 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageCms, ImageOps, features
 
-from fixed_res_sidecar.core.audit import ERROR_CODES, AuditRecord
+from fixed_res_sidecar.core.audit import ERROR_CODES, AuditRecord, audit_arrays
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, geometry, near_target_area
+from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.pixels import (
     EXCLUDED_INPUT_FORMATS,
+    JPEG_SCAN_PADDING,
+    MAX_COUNTED_FRAMES,
     ImageResult,
     PixelOptions,
+    decode_memory_estimate,
     draft_factor,
+    gif_frame_count,
     input_formats,
+    jpeg_scan_end,
     library_versions,
     open_image,
     pipeline_settings,
@@ -39,7 +45,9 @@ from fixed_res_sidecar_tests.fixtures.images import (
     broken_exif_jpeg,
     cmyk_jpeg,
     encode,
+    gif_with_frames,
     grey_profile,
+    header_bombs,
     jpeg_bytes,
     marker_image,
     palette_png_with_transparency,
@@ -50,6 +58,7 @@ from fixed_res_sidecar_tests.fixtures.images import (
     sixteen_bit_grey_png,
     swapped_red_green_profile,
     text_orientation_jpeg,
+    truncated_with_end_marker,
 )
 
 BOTH_AREAS = (AREA_512, AREA_1024)
@@ -257,6 +266,150 @@ def test_huge_png_header_is_refused_without_decoding(bad_images):
             n_frames=1,
         )
     )
+
+
+# What each header bomb claims: (width, height) as Pillow reads it from the header.
+HEADER_CLAIMS = {
+    "ppm_2_32": (2**32 - 1, 1),
+    "ppm_2_31": (2**31, 16),
+    "tiff_2_32": (2**32 - 1, 1),
+    "psd_2_32": (2**32 - 1, 1),
+    "dds_2_32": (2**32 - 1, 1),
+    "fits_5e9": (5_000_000_000, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEADER_CLAIMS))
+def test_a_header_claiming_a_side_of_2_31_or_more_is_audited_whole_and_writable(name):
+    data = header_bombs()[name]
+    results = process_image(data, BOTH_AREAS, DEFAULT)
+    for result in results:
+        record = result.record
+        assert (record.valid, record.error) == (False, "too_large")
+        assert (record.src_width, record.src_height) == HEADER_CLAIMS[name]
+        assert f"{record.src_width}x{record.src_height}" in record.error_detail
+    # The audit columns hold what the header claimed (before: ArrowInvalid, the shard was lost).
+    columns = audit_arrays("p", [r.record for r in results])
+    assert columns["p_src_width"].to_pylist() == [HEADER_CLAIMS[name][0]] * 2
+
+
+def test_an_apng_claiming_2_31_frames_records_the_capped_count():
+    (result,) = run(header_bombs()["apng_2_31_frames"])
+    assert result.record.valid
+    assert result.record.n_frames == MAX_COUNTED_FRAMES
+    assert result.record.error_detail == f"more than {MAX_COUNTED_FRAMES} frames; n_frames stops there"
+    assert audit_arrays("p", [result.record])["p_n_frames"].to_pylist() == [MAX_COUNTED_FRAMES]
+
+
+def _pillow_gif(frames: int) -> bytes:
+    """A GIF as Pillow writes it: local palettes, a comment and a loop extension."""
+    images = [Image.new("RGB", (40, 30), (i * 40 % 256, 255 - i * 20 % 256, i * 7 % 256)) for i in range(frames)]
+    return encode(images[0], "GIF", save_all=True, append_images=images[1:], loop=0, comment=b"hello", duration=50)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [animated_gif(), _pillow_gif(1), _pillow_gif(9), gif_with_frames(7, frame_size=8), gif_with_frames(3)],
+    ids=["three_colours", "pillow_1", "pillow_9", "seven_8px", "three_1px"],
+)
+def test_gif_frame_count_counts_what_pillow_counts(data):
+    assert gif_frame_count(data, 10**6) == Image.open(io.BytesIO(data)).n_frames
+
+
+@pytest.mark.parametrize("frames", [MAX_COUNTED_FRAMES, MAX_COUNTED_FRAMES + 1, 1_000_000])
+def test_frame_counting_stops_past_the_cap(frames):
+    """A million 1-pixel frames took Pillow's n_frames about 2 s per row; the walk now stops at the cap."""
+    data = gif_with_frames(frames)
+    assert gif_frame_count(data, MAX_COUNTED_FRAMES + 1) == min(frames, MAX_COUNTED_FRAMES + 1)
+    results = process_image(data, BOTH_AREAS, DEFAULT)
+    for result in results:
+        assert result.record.valid and result.record.src_format == "GIF"
+        assert result.record.n_frames == MAX_COUNTED_FRAMES
+        capped = frames > MAX_COUNTED_FRAMES
+        assert result.record.error_detail == (
+            f"more than {MAX_COUNTED_FRAMES} frames; n_frames stops there" if capped else None
+        )
+
+
+def test_tiff_frame_counting_stops_past_the_cap():
+    frames = [Image.new("L", (16, 16), i % 256) for i in range(MAX_COUNTED_FRAMES + 5)]
+    data = encode(frames[0], "TIFF", save_all=True, append_images=frames[1:])
+    (result,) = run(data)
+    assert result.record.valid and result.record.n_frames == MAX_COUNTED_FRAMES
+    assert "n_frames stops there" in result.record.error_detail
+    (three,) = run(encode(frames[0], "TIFF", save_all=True, append_images=frames[1:3]))
+    assert three.record.n_frames == 3 and three.record.error_detail is None
+
+
+def _jpeg_variants() -> dict[str, bytes]:
+    photo = photo_like(640, 480, seed=21)
+    return {
+        "baseline_420": jpeg_bytes(photo),
+        "baseline_444": jpeg_bytes(photo, subsampling=0),
+        "grey": jpeg_bytes(photo.convert("L")),
+        "cmyk": jpeg_bytes(photo.convert("CMYK")),
+        "optimized_huffman": jpeg_bytes(photo, optimize=True),
+        "restart_markers": jpeg_bytes(photo, restart_marker_blocks=4),
+        "exif_6": jpeg_bytes(photo, orientation=6),
+    }
+
+
+@pytest.mark.parametrize("name", list(_jpeg_variants()))
+def test_a_jpeg_cut_short_with_an_end_marker_appended_is_a_decode_error(name):
+    data = _jpeg_variants()[name]
+    results = process_image(truncated_with_end_marker(data, 0.6), BOTH_AREAS, DEFAULT)
+    for result in results:
+        assert (result.record.valid, result.record.error) == (False, "decode_error")
+        assert "truncated" in result.record.error_detail
+    # The whole image still decodes, to exactly the pixels of a plain decode.
+    assert all(r.record.valid for r in process_image(data, BOTH_AREAS, DEFAULT))
+    end = jpeg_scan_end(data)
+    assert end == len(data) - 2
+    plain = Image.open(io.BytesIO(data)).tobytes()
+    assert Image.open(io.BytesIO(data[:end] + JPEG_SCAN_PADDING)).tobytes() == plain
+
+
+def test_a_complete_jpeg_without_its_end_marker_decodes():
+    data = _jpeg_variants()["baseline_420"]
+    assert all(r.record.valid for r in process_image(data[:-2], BOTH_AREAS, DEFAULT))
+
+
+def test_a_progressive_jpeg_cut_short_with_an_end_marker_is_not_detected():
+    """The README's stated limit: progressive (and multi-scan) JPEGs are not checked for truncation."""
+    data = jpeg_bytes(photo_like(640, 480, seed=22), progressive=True)
+    assert jpeg_scan_end(data) is None
+    (result,) = run(truncated_with_end_marker(data, 0.6))
+    assert result.record.valid
+
+
+def test_an_image_over_the_whole_memory_budget_is_too_large_without_decoding():
+    data = png_bytes(photo_like(320, 240, seed=23))
+    needed = decode_memory_estimate(open_image(data))
+    assert needed == 320 * 240 * 5  # RGB: 4 bytes per pixel decoded, 1 for resampling
+    refused = process_image(data, BOTH_AREAS, DEFAULT, MemoryBudget(needed - 1))
+    for result in refused:
+        assert (result.record.valid, result.record.error) == (False, "too_large")
+        assert "decode memory budget" in result.record.error_detail
+        assert result.record.src_width == 320
+    budget = MemoryBudget(needed)
+    assert all(r.record.valid for r in process_image(data, BOTH_AREAS, DEFAULT, budget))
+    assert budget.used == 0
+
+
+@pytest.mark.parametrize(
+    "mode, bytes_per_pixel",
+    [("RGB", 5), ("RGBA", 10), ("LA", 10), ("L", 2), ("P", 6), ("I;16", 12), ("CMYK", 5)],
+)
+def test_decode_memory_estimate_per_mode(mode, bytes_per_pixel):
+    image = Image.new(mode, (100, 50))
+    data = encode(image, "JPEG" if mode == "CMYK" else "PNG")
+    assert decode_memory_estimate(open_image(data)) == 100 * 50 * bytes_per_pixel
+
+
+def test_decode_memory_estimate_follows_jpeg_shrink_on_load():
+    image = open_image(jpeg_bytes(photo_like(400, 300, seed=24)))
+    assert decode_memory_estimate(image, draft=2) == 200 * 150 * 5
+    assert decode_memory_estimate(image, draft=8) == 50 * 38 * 5  # sides round up
 
 
 def test_max_source_pixels_is_configurable():

@@ -149,6 +149,17 @@ def test_one_resolution_can_be_built_alone(tiny_config, tiny_defs, instance):
     assert not dataset.output("resized_512").exists("part-a.parquet")
 
 
+def test_the_datasets_run_memory_bounds_its_decoded_images(tiny_main, tmp_path, instance):
+    """run_resources.memory_gb is the decode budget's source in Dagster, as --task-memory-gb on the CLI."""
+    config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", run_resources={"memory_gb": 0.0001}))
+    register(instance, config)
+    result = run_shard(build_definitions(config), instance, "tiny__shard", "part-a.parquet", [KEYS.resized("512")])
+    assert result.success
+    metadata = metadata_of(result, KEYS.resized("512"))
+    # Every image alone needs more than half of 0.0001 GiB: too_large, never decoded; the null image stays missing.
+    assert metadata["error_counts"] == {"missing_image": 1, "too_large": TINY_ROWS - 1}
+
+
 def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     main.write_bytes("broken.parquet", b"this is not parquet")

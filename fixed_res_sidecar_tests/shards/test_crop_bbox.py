@@ -353,3 +353,63 @@ def test_gate_runs_before_writing_and_not_for_skipped_shards(build):
     assert calls == [rel, rel]
     skipped = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel, gate=refuse, skip_existing=True)
     assert skipped.status == "skipped" and calls == [rel, rel]
+
+
+# -- one bad row never fails its shard ---------------------------------------------------------
+
+
+def test_captions_that_are_not_utf8_text_are_invalid_json_for_their_row_only(build):
+    """Raw bytes in a binary caption column, and a lone surrogate escape (half an emoji): before,
+    the whole shard failed with a message about the resized audits."""
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    bad = {1: b'{"label": "caf\xe9", "bbox": [1, 2, 3, 4]}', 2: b'{"label": "\\ud83d", "bbox": [1, 2, 3, 4]}'}
+
+    def binary_captions(table):
+        captions = [None if c is None else c.encode() for c in table.column("structured_description").to_pylist()]
+        for row, value in bad.items():
+            captions[row] = value
+        index = table.schema.get_field_index("structured_description")
+        return table.set_column(index, "structured_description", pa.array(captions, pa.binary()))
+
+    rewrite(main, rel, binary_captions)
+    result = build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
+    assert result.built and result.rows == 10
+    metas = [json.loads(m) for m in pq.read_table(output.child(rel)).column(META_COLUMN).to_pylist()]
+    statuses = [m["caption_status"] for m in metas]
+    assert statuses[1] == statuses[2] == "invalid_json"
+    assert statuses.count("ok") == 10 - 2 - statuses.count("missing")  # every other row as before
+    crops = pq.read_table(output.child(rel)).column(CROP_COLUMNS["512"]).to_pylist()
+    assert crops[1] is None and crops[2] is None and crops[0] is not None
+
+    # The same lone surrogate in a string column.
+    def string_captions(table):
+        captions = [
+            None if c is None else c.decode("utf-8", "replace")
+            for c in table.column("structured_description").to_pylist()
+        ]
+        captions[1] = '{"label": "\\ud83d"}'
+        captions[2] = json.dumps({"ok": True})
+        index = table.schema.get_field_index("structured_description")
+        return table.set_column(index, "structured_description", pa.array(captions, pa.string()))
+
+    rewrite(main, rel, string_captions)
+    build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
+    metas = [json.loads(m) for m in pq.read_table(output.child(rel)).column(META_COLUMN).to_pylist()]
+    assert [m["caption_status"] for m in metas[1:3]] == ["invalid_json", "ok"]
+
+
+def test_an_inconsistent_audit_is_reported_against_the_resized_shards(build):
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    rewrite(
+        r512,
+        rel,
+        lambda t: t.set_column(
+            t.schema.get_field_index("0_26mp_process_crop_x0"),
+            "0_26mp_process_crop_x0",
+            pa.nulls(t.num_rows, pa.float64()),
+        ),
+    )
+    with pytest.raises(ShardError, match=rf"resized shards .*{rel}.*lacks its crop geometry"):
+        build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)

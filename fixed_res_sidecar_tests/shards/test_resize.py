@@ -1,5 +1,7 @@
 import io
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -9,7 +11,7 @@ from PIL import Image
 
 from fixed_res_sidecar.core.audit import AUDIT_TYPES, read_audit_records
 from fixed_res_sidecar.core.geometry import AREA_512, geometry
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixels import MAX_COUNTED_FRAMES, PixelOptions, decode_memory_estimate, open_image
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.sample_data import write_sample_dataset
@@ -18,6 +20,13 @@ from fixed_res_sidecar.shards.layout import ResizedOutput
 from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.settings import read_settings
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, layout_of, resized_outputs
+from fixed_res_sidecar_tests.fixtures.images import (
+    gif_with_frames,
+    header_bombs,
+    jpeg_bytes,
+    photo_like,
+    truncated_with_end_marker,
+)
 
 
 def _snapshot(root) -> dict[str, bytes]:
@@ -199,3 +208,126 @@ def test_row_groups_are_bounded(tmp_path, monkeypatch):
     metadata = output.location.parquet_file("s.parquet").metadata
     assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [4, 4, 2]
     check_resized_dataset(main, output)
+
+
+# ----------------------------------------------------------------------------- one bad row never fails its shard
+
+
+def _write_main(root, images: pa.Array, keys: pa.Array | None = None, rel: str = "s.parquet") -> Location:
+    main = Location.parse(root)
+    if keys is None:
+        keys = pa.array([f"row-{i:03d}" for i in range(len(images))])
+    with main.write_atomic(rel) as tmp:
+        pq.write_table(pa.table({"image_key": keys, "image": images}), tmp)
+    return main
+
+
+def _audits(output: ResizedOutput, rel: str = "s.parquet"):
+    return read_audit_records(output.location.parquet_file(rel).read(), output.audit_prefix)
+
+
+def test_hostile_rows_are_audited_and_no_row_is_lost(tmp_path):
+    """Header bombs (2^31 and 2^32 - 1 px sides, a 5e9 FITS axis, 2^31 APNG frames), a million-frame
+    GIF and a JPEG cut short with an end marker, between good rows: every row is audited."""
+    good = jpeg_bytes(photo_like(320, 240, seed=31))
+    rows = {
+        "good-first": good,
+        **header_bombs(),
+        "gif_1m_frames": gif_with_frames(1_000_000),
+        "jpeg_cut_with_end_marker": truncated_with_end_marker(good, 0.6),
+        "good-last": good,
+    }
+    main = _write_main(tmp_path / "main", pa.array(list(rows.values()), pa.binary()), pa.array(list(rows)))
+    outputs = resized_outputs(tmp_path / "out")
+    result = build_resized_shard(layout_of(main, outputs), "s.parquet", threads=2)
+    assert result.rows == len(rows)
+    for output, summary in zip(outputs, result.outputs):
+        assert summary.valid + sum(summary.error_counts.values()) == len(rows)  # rows lost: 0
+        built = output.location.parquet_file("s.parquet").read()
+        assert built.column("image_key").to_pylist() == list(rows)
+        audits = dict(zip(rows, _audits(output)))
+        for name in header_bombs():
+            if name != "apng_2_31_frames":
+                assert audits[name].error == "too_large", name
+        assert (audits["ppm_2_32"].src_width, audits["fits_5e9"].src_width) == (2**32 - 1, 5_000_000_000)
+        for name in ("apng_2_31_frames", "gif_1m_frames"):
+            assert audits[name].valid and audits[name].n_frames == MAX_COUNTED_FRAMES
+        assert audits["jpeg_cut_with_end_marker"].error == "decode_error"
+        assert audits["good-first"].valid and audits["good-last"].valid
+    check_resized_dataset(main, outputs[0])
+
+
+def test_an_image_column_of_fixed_size_binary_is_read_and_written_as_binary(tmp_path):
+    """Encoded outputs differ in size, so a fixed_size_binary column becomes binary (SPEC 5)."""
+    image = jpeg_bytes(photo_like(320, 240, seed=32))
+    padded = image + bytes(16)  # JPEG decoders stop at the end marker; fixed-size cells are often padded
+    width = len(padded)
+    main = _write_main(tmp_path / "main", pa.array([padded, None, padded], pa.binary(width)))
+    outputs = resized_outputs(tmp_path / "out")
+    result = build_resized_shard(layout_of(main, outputs), "s.parquet")
+    assert [o.valid for o in result.outputs] == [2, 2]
+    for output in outputs:
+        built = output.location.parquet_file("s.parquet").read()
+        assert built.schema.field("image").type == pa.binary()
+        assert [r.error for r in _audits(output)] == [None, "missing_image", None]
+        check_resized_dataset(main, output)
+
+
+@pytest.mark.parametrize("key_type", [pa.binary(), pa.string()], ids=["binary", "string_holding_bytes"])
+def test_keys_that_are_not_utf8_are_copied_as_they_are(tmp_path, key_type):
+    """Keys are never decoded: a binary key, or a string column a lax writer filled with bytes."""
+    raw = [b"\xff\xfe-key-0", b"ok-1", b"\xc3\x28-2"]
+    binary = pa.array(raw, pa.binary())
+    keys = binary if key_type == pa.binary() else pa.Array.from_buffers(pa.string(), len(raw), binary.buffers())
+    image = jpeg_bytes(photo_like(320, 240, seed=33))
+    main = _write_main(tmp_path / "main", pa.array([image] * 3, pa.binary()), keys)
+    outputs = resized_outputs(tmp_path / "out")
+    build_resized_shard(layout_of(main, outputs), "s.parquet", threads=2)
+    for output in outputs:
+        built = output.location.parquet_file("s.parquet").read()
+        assert built.schema.field("image_key").type == key_type
+        assert built.column("image_key").cast(pa.binary()).to_pylist() == raw
+        assert all(r.valid for r in _audits(output))
+
+
+def _peak_rss_of_a_build(main: Location, out, memory_gb: float, threads: int = 4) -> int:
+    """Peak RSS in bytes of a child process that builds main's shard `s.parquet` (as the OS counts it)."""
+    script = (
+        "import sys\n"
+        "from fixed_res_sidecar.io.locations import Location\n"
+        "from fixed_res_sidecar.shards.resize import build_resized_shard\n"
+        "from fixed_res_sidecar_tests.fixtures.datasets import layout_of, resized_outputs\n"
+        "main, out, memory_gb, threads = sys.argv[1:]\n"
+        "layout = layout_of(Location.parse(main), resized_outputs(out))\n"
+        "build_resized_shard(layout, 's.parquet', threads=int(threads), memory_gb=float(memory_gb))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, main.uri, str(out), str(memory_gb), str(threads)])
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    assert child.returncode == 0
+    return usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def test_decoded_images_in_flight_stay_within_the_memory_budget(tmp_path, large_pngs):
+    """Four 9 MP RGBA rows and one 36 MP row on 4 threads, with a 200 MiB decode budget: at most two
+    9 MP images are decoded at once (about 90 MB each), the 36 MP row (about 360 MB) is too_large."""
+    memory_gb = 400 / 1024
+    budget = resize.decode_budget_bytes(memory_gb)
+    assert budget == 200 * 2**20
+    nine, thirty_six = (decode_memory_estimate(open_image(large_pngs[k])) for k in ("9_mp", "36_mp"))
+    assert 2 * nine <= budget < 3 * nine and thirty_six > budget  # what the test relies on
+    small = jpeg_bytes(photo_like(320, 240, seed=34))
+    images = [large_pngs["9_mp"]] * 2 + [large_pngs["36_mp"]] + [large_pngs["9_mp"]] * 2 + [small, small]
+    main = _write_main(tmp_path / "main", pa.array(images, pa.binary()))
+    baseline_main = _write_main(tmp_path / "baseline", pa.array([small, small], pa.binary()))
+
+    baseline = _peak_rss_of_a_build(baseline_main, tmp_path / "baseline-out", memory_gb)
+    peak = _peak_rss_of_a_build(main, tmp_path / "out", memory_gb)
+    assert peak - baseline <= budget, f"peak RSS {peak / 2**20:.0f} MiB, baseline {baseline / 2**20:.0f} MiB"
+
+    for output in resized_outputs(tmp_path / "out"):
+        audits = _audits(output)
+        assert len(audits) == len(images)  # rows lost: 0
+        assert (audits[2].error, audits[2].src_width) == ("too_large", 6000)
+        assert "decode memory budget of 200 MiB" in audits[2].error_detail
+        assert all(a.valid for i, a in enumerate(audits) if i != 2)

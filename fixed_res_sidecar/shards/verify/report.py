@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from fixed_res_sidecar.core.keys import key_text, key_texts, raw_key_values
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
 from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns
 from fixed_res_sidecar.io.retry import StorageError
@@ -142,16 +143,26 @@ def not_checked(names: Sequence[str], problem: ShardError, shard_incomplete: boo
     ]
 
 
-def problems_result(name: str, uri: str, what: str, problems: list[dict], metadata: dict) -> CheckResult:
-    """A failed check whose message names the shard, the count and the first offending row."""
+def problems_result(
+    name: str, uri: str, what: str, problems: list[dict], metadata: dict, count: int | None = None
+) -> CheckResult:
+    """A failed check whose message names the shard, the count and the first offending row.
+
+    `count` is the number of problems when `problems` holds only the first of them."""
+    count = len(problems) if count is None else count
     first = problems[0]
     where = f"row {first['row']} ({first['key']!r}): " if first.get("row") is not None else ""
-    metadata = {**metadata, "problems": len(problems), "examples": problems[:MAX_PROBLEMS]}
-    return CheckResult(name, False, f"{uri}: {len(problems)} {what}; {where}{first['problem']}", metadata)
+    metadata = {**metadata, "problems": count, "examples": problems[:MAX_PROBLEMS]}
+    return CheckResult(name, False, f"{uri}: {count} {what}; {where}{first['problem']}", metadata)
 
 
 def column_or_nulls(table: pa.Table, name: str) -> list:
     return table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+
+
+def keys_or_nulls(table: pa.Table, name: str) -> list:
+    """A key column as reports show keys (core/keys.py: never failing on what the bytes hold)."""
+    return key_texts(table.column(name)) if name in table.column_names else [None] * table.num_rows
 
 
 def main_keys(main: Location, rel: str, key_column: str) -> pa.ChunkedArray:
@@ -180,15 +191,16 @@ def check_keys(uri: str, expected: pa.ChunkedArray, table: pa.Table, key_column:
         return CheckResult(KEYS_MATCH, False, message)
     if keys.equals(expected):
         return CheckResult(KEYS_MATCH, True, f"{uri}: all {len(keys)} keys equal main's, in order", {"rows": len(keys)})
-    ours, theirs = keys.to_pylist(), expected.to_pylist()
+    ours, theirs = raw_key_values(keys), raw_key_values(expected)
     common = min(len(ours), len(theirs))
     mismatches = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
     metadata: dict[str, Any] = {"rows": len(ours), "main_rows": len(theirs), "mismatching_rows": len(mismatches)}
     if mismatches:
         first = mismatches[0]
-        metadata.update(first_mismatch_row=first, key=ours[first], main_key=theirs[first])
+        key, main_key = key_text(ours[first]), key_text(theirs[first])
+        metadata.update(first_mismatch_row=first, key=key, main_key=main_key)
         message = (
-            f"{uri}: row {first} has key {ours[first]!r} where main has {theirs[first]!r} "
+            f"{uri}: row {first} has key {key!r} where main has {main_key!r} "
             f"({len(mismatches)} of {common} rows differ)"
         )
     else:

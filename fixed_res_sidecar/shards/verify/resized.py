@@ -42,8 +42,8 @@ from fixed_res_sidecar.shards.verify.report import (
     ShardReport,
     check_keys,
     check_row_count,
-    column_or_nulls,
     guarded,
+    keys_or_nulls,
     main_keys,
     not_checked,
     problems_result,
@@ -199,7 +199,7 @@ def _check_sample_images(
         audit = audit_values(shard.columns, prefix)
     except AuditColumnsError as exc:
         raise ShardError(f"{shard.uri}: {exc}") from None
-    keys = column_or_nulls(shard.columns, key_column)
+    keys = keys_or_nulls(shard.columns, key_column)
     problems = []
     for row, data in sorted(shard.sampled.items()):
         problem = _sample_problem(data, {f: values[row] for f, values in audit.items()}, area, options)
@@ -270,7 +270,7 @@ def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckRes
     if shard.has_image is None:
         return CheckResult(AUDIT_CONSISTENT, False, f"{shard.uri}: {shard.image_problem}")
 
-    keys = column_or_nulls(table, key_column)
+    keys = keys_or_nulls(table, key_column)
     problems: list[dict[str, Any]] = []
     per_code: Counter = Counter()
     examples: list[dict[str, Any]] = []

@@ -14,6 +14,7 @@ recorded build settings unless the layout gives them.
 
 import json
 import math
+import reprlib
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -25,15 +26,16 @@ from fixed_res_sidecar.core.bbox import (
     CROP_COLUMNS,
     META_COLUMN,
     CaptionStatus,
-    box_slots,
     is_valid_crop_box,
     parse_caption,
+    walk_box_slots,
 )
 from fixed_res_sidecar.io.parquet import ShardError, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import SidecarReading, read_sources, sidecar_sources, stale_sources
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
+    MAX_PROBLEMS,
     SHARD_COMPLETE,
     CheckResult,
     ShardReport,
@@ -41,6 +43,7 @@ from fixed_res_sidecar.shards.verify.report import (
     check_row_count,
     column_or_nulls,
     guarded,
+    keys_or_nulls,
     main_keys,
     not_checked,
     problems_result,
@@ -114,18 +117,25 @@ def _check_sidecar_columns(uri: str, table: pa.Table) -> CheckResult:
 
 
 def _check_boxes(uri: str, table: pa.Table, key_column: str, bbox_keys: Sequence[str]) -> CheckResult:
-    keys = column_or_nulls(table, key_column)
-    problems = []
+    """Every box slot of both crop columns, in one walk per caption (core/bbox.py's). Bad boxes
+    are all counted; the first MAX_PROBLEMS are described."""
+    keys = keys_or_nulls(table, key_column)
+    problems: list[dict[str, Any]] = []
+    bad = 0
     boxes: Counter = Counter()
 
     def problem(row: int | None, column: str, text: str) -> None:
-        key = keys[row] if row is not None else None
-        problems.append({"row": row, "key": key, "column": column, "problem": f"{column}: {text}"})
+        nonlocal bad
+        bad += 1
+        if len(problems) < MAX_PROBLEMS:
+            key = keys[row] if row is not None else None
+            problems.append({"row": row, "key": key, "column": column, "problem": f"{column}: {text}"})
 
     for resolution, column in CROP_COLUMNS.items():
         if column not in table.column_names:
             problem(None, column, "column missing")
             continue
+        valid = null = 0
         for row, text in enumerate(table.column(column).to_pylist()):
             if text is None:
                 continue
@@ -133,19 +143,29 @@ def _check_boxes(uri: str, table: pa.Table, key_column: str, bbox_keys: Sequence
             if status is not CaptionStatus.OK:
                 problem(row, column, f"not a JSON caption ({status.value})")
                 continue
-            for slot in box_slots(caption, bbox_keys, crop_frame=True):
+            for slot in walk_box_slots(caption, bbox_keys, crop_frame=True):
                 if slot.value is None:
-                    boxes[f"{resolution}_null"] += 1
+                    null += 1
                 elif is_valid_crop_box(slot.value):
-                    boxes[f"{resolution}_valid"] += 1
+                    valid += 1
                 else:
                     boxes[f"{resolution}_invalid"] += 1
-                    problem(row, column, f"{slot.path} = {slot.value!r} is not a valid box")
-    metadata = {"boxes": dict(sorted(boxes.items())), "bbox_keys": list(bbox_keys)}
+                    problem(row, column, f"{slot.path} = {_short_repr(slot.value)} is not a valid box")
+        boxes.update({f"{resolution}_valid": valid, f"{resolution}_null": null})
+    metadata = {"boxes": {name: n for name, n in sorted(boxes.items()) if n}, "bbox_keys": list(bbox_keys)}
     if problems:
-        return problems_result(BOXES_VALID, uri, "bad box(es)", problems, metadata)
+        return problems_result(BOXES_VALID, uri, "bad box(es)", problems, metadata, count=bad)
     valid = sum(n for name, n in boxes.items() if name.endswith("_valid"))
     return CheckResult(BOXES_VALID, True, f"{uri}: {valid} boxes valid", metadata)
+
+
+def _short_repr(value: Any) -> str:
+    """A value as a problem shows it: its repr, abridged (a bad box may be huge or deep)."""
+    return _BOX_REPR.repr(value)
+
+
+_BOX_REPR = reprlib.Repr()
+_BOX_REPR.maxlevel, _BOX_REPR.maxlist, _BOX_REPR.maxdict, _BOX_REPR.maxstring = 3, 6, 6, 60
 
 
 def _read_audit(output: ResizedOutput, rel: str, key_column: str) -> tuple[str, list, dict[str, list]]:
@@ -154,7 +174,7 @@ def _read_audit(output: ResizedOutput, rel: str, key_column: str) -> tuple[str, 
     with open_shard(output.location, rel, "resized") as parquet_file:
         table = read_columns(parquet_file, [key_column, *(audit_column(prefix, f) for f in AUDIT_TYPES)], uri)
     try:
-        return uri, column_or_nulls(table, key_column), audit_values(table, prefix)
+        return uri, keys_or_nulls(table, key_column), audit_values(table, prefix)
     except AuditColumnsError as exc:
         raise ShardError(f"resized shard {uri}: {exc}") from None
 
@@ -164,7 +184,7 @@ def _check_meta(uri: str, rel: str, table: pa.Table, key_column: str, resized: d
     statuses, box counts and invalid rows per resolution."""
     if META_COLUMN not in table.column_names:
         return CheckResult(META_MATCHES_AUDIT, False, f"{uri}: column {META_COLUMN!r} is missing")
-    keys = column_or_nulls(table, key_column)
+    keys = keys_or_nulls(table, key_column)
     problems: list[dict[str, Any]] = []
     caption_status: Counter = Counter()
     box_counts: dict[str, Counter] = {resolution: Counter() for resolution in resized}

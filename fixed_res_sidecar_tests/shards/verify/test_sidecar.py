@@ -50,6 +50,25 @@ def test_crop_column_with_out_of_range_box_is_caught(sidecar_build):
     assert report.check(META_MATCHES_AUDIT).passed
 
 
+def test_many_bad_boxes_are_all_counted_and_a_few_described(sidecar_build):
+    """The box walk stays bounded: 20,000 bad boxes (one of them a huge list) cost a count each,
+    not a problem record and a full repr each."""
+    from fixed_res_sidecar.shards.verify.report import MAX_PROBLEMS
+
+    row = crop_row_with_box(sidecar_build, "512")
+    crops = column(sidecar_build.sidecar, REL, CROP_COLUMNS["512"])
+    bad = [list(range(100_000))] + [[0, 0, 1001, 500]] * 19_999
+    crops[row] = json.dumps({"regions": {"bbox_2d": bad}})
+    rewrite_shard(sidecar_build.sidecar, REL, lambda t: replace_column(t, CROP_COLUMNS["512"], crops))
+    check = sidecar_build.verify_crop().check(BOXES_VALID)
+    assert not check.passed and check.message.count("20000 bad box(es)") == 1
+    assert check.metadata["problems"] == 20_000 and len(check.metadata["examples"]) == MAX_PROBLEMS
+    assert check.metadata["boxes"]["512_invalid"] == 20_000
+    assert "regions.bbox_2d[0] = [0, 1, 2, 3, 4, 5, ...] is not a valid box" in check.message
+    assert len(check.message) < 1_000 and len(json.dumps(check.metadata)) < 10_000
+    assert "regions.bbox_2d[1] = [0, 0, 1001, 500]" in json.dumps(check.metadata["examples"])
+
+
 def test_missing_crop_column_is_caught(sidecar_build):
     rewrite_shard(sidecar_build.sidecar, REL, lambda t: t.drop_columns([CROP_COLUMNS["1024"]]))
     report = sidecar_build.verify_crop()
