@@ -271,12 +271,9 @@ class Location:
 
     def _write_s3(self, rel: str) -> Iterator[str]:
         key = self._key(rel)
-        # Leftovers of killed writers on this machine, and stale uploads of this very key. Best
-        # effort: a write never fails for someone else's leftovers (nor for lacking permission to list uploads).
+        # Leftovers of writers killed on this machine. Best effort: a write never fails for someone else's.
         with contextlib.suppress(Exception):
             remove_temp_dir_leftovers()
-        with contextlib.suppress(Exception):
-            self._abort_stale_uploads(key, STALE_TEMPORARY_SECONDS, exact=True)
         tmp_dir = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{_writer_tag()}-")
         tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
         try:
@@ -296,6 +293,9 @@ class Location:
             with open(path, "rb") as body:
                 client.put_object(Bucket=self.bucket, Key=key, Body=body)
             return
+        # Stale uploads of this very key (best effort: listing uploads may not be allowed).
+        with contextlib.suppress(Exception):
+            self._abort_stale_uploads(key, STALE_TEMPORARY_SECONDS, exact=True)
         # As boto3's own transfers do: CRC32 part checksums unless the AWS config says "when_required".
         checksum = {"ChecksumAlgorithm": "CRC32"} if _checksums_by_default(client) else {}
         upload_id = client.create_multipart_upload(Bucket=self.bucket, Key=key, **checksum)["UploadId"]
