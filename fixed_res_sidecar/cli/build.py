@@ -5,7 +5,7 @@ import functools
 import sys
 from collections import Counter
 
-from fixed_res_sidecar.cli.common import check_positive, main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import check_positive, clean_leftovers, main_shards, symlink_report, usage_error
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -125,6 +125,7 @@ def run(args) -> int:
     )
     targets = ", ".join(o.location.uri for o in layout.resized.values())
     print(f"{len(shards)} shards under {main.uri} -> {targets}", file=sys.stderr)
+    clean_leftovers(o.location for o in layout.resized.values())
     progress = Progress(len(shards))
     if args.use_ray:
         try:

@@ -1,11 +1,14 @@
 """What every `sidecar-ops` command does the same way."""
 
 import sys
+from collections.abc import Iterable
 
-from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.io.locations import Cleanup, Location, remove_temp_dir_leftovers
 
 SYMLINKS_LISTED = 20
 STORAGE_FAILED = 3  # exit status: storage kept failing, nothing was decided about the data; rerun
+LEFTOVERS_LISTED = 5
 
 
 class UsageError(ValueError):
@@ -51,3 +54,23 @@ def symlink_report(main: Location) -> str:
     if len(links) > SYMLINKS_LISTED:
         lines.append(f"  ... and {len(links) - SYMLINKS_LISTED} more")
     return "\n".join(lines)
+
+
+def clean_leftovers(outputs: Iterable[Location]) -> Cleanup:
+    """Before a build: remove what interrupted runs left under its outputs and in TMPDIR (stderr says what).
+
+    Never fails the command: what cannot be removed is a warning, and a later run tries again.
+    """
+    cleanup = Cleanup()
+    for sweep in [remove_temp_dir_leftovers, *(output.remove_leftovers for output in outputs)]:
+        try:
+            cleanup.add(sweep())
+        except Exception as exc:  # noqa: BLE001 - e.g. no permission to list incomplete uploads
+            cleanup.problems.append(describe_exception(exc, max_chars=300))
+    if cleanup.removed:
+        shown = ", ".join(cleanup.removed[:LEFTOVERS_LISTED])
+        more = f" and {len(cleanup.removed) - LEFTOVERS_LISTED} more" if len(cleanup.removed) > LEFTOVERS_LISTED else ""
+        print(f"removed {len(cleanup.removed)} leftover(s) of interrupted runs: {shown}{more}", file=sys.stderr)
+    for problem in cleanup.problems:
+        print(f"warning: a leftover of an interrupted run was not removed: {problem}", file=sys.stderr)
+    return cleanup

@@ -10,7 +10,14 @@ import argparse
 import functools
 import sys
 
-from fixed_res_sidecar.cli.common import check_positive, main_shards, storage_failed, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import (
+    check_positive,
+    clean_leftovers,
+    main_shards,
+    storage_failed,
+    symlink_report,
+    usage_error,
+)
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -114,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     gate = functools.partial(require_verified, layout, options=verify_options)
     job = functools.partial(build_crop_bbox_shard, layout, skip_existing=args.skip_existing, gate=gate)
     print(f"{len(shards)} shards under {layout.main.uri} -> {layout.sidecar.uri}", file=sys.stderr)
+    clean_leftovers([layout.sidecar])
     summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
     if links := symlink_report(layout.main):

@@ -16,15 +16,28 @@ Ray's own task retries are off (`max_retries=0`): this loop does the retrying, s
 count attempts and say why a shard was given up. Outputs are written atomically, so a
 task that dies mid-shard leaves nothing at the final name and its retry starts clean.
 
+Stopping. There is no pool on the driver: it submits tasks and waits. Interrupted (Ctrl-C,
+SIGTERM, any exception), it cancels its tasks (a KeyboardInterrupt inside each, so the shard
+unwinds and removes its temporaries), kills those still running `WORKER_STOP_SECONDS` later,
+and disconnects. If the driver is killed outright, Ray ends the tasks itself: they are owned
+by the driver's job, and when the driver dies the job is finished and its workers are killed
+(a local Ray started here shares the driver's fate: its GCS and raylet die with it and the task
+workers exit about two seconds later; through Ray Client, `ray://`, the server first waits
+RAY_CLIENT_RECONNECT_GRACE_PERIOD, 30 s by default). What a killed task leaves is removed by
+later writes (see `io/locations.py`).
+
 Importing this module needs Ray (`pip install 'fixed-resolution-sidecar[ray]'`); the CLI
 turns the ImportError into a clear message.
 """
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +45,7 @@ import ray
 import ray.exceptions as ray_errors
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.shards.runner import Progress, RunSummary, machine_cores
+from fixed_res_sidecar.shards.runner import WORKER_STOP_SECONDS, Progress, RunSummary, machine_cores
 
 GIB = 2**30
 FIRST_LINE_CHARS = 500  # of a Ray error's text in a failure message
@@ -114,18 +127,32 @@ def connect(address: str | None = None, runtime_env: dict[str, Any] | None = Non
         return None
     target = address or os.environ.get("RAY_ADDRESS") or "local"
     options: dict[str, Any] = {"runtime_env": runtime_env} if runtime_env else {}
-    if target != "local":
-        try:
-            ray.init(address=target, **options)
-        except Exception as exc:
-            raise RayConnectionError(
-                f"cannot connect to the Ray cluster at {target!r} (from --ray-address or RAY_ADDRESS): "
-                f"{describe_exception(exc)}"
-            ) from exc
-        return "remote"
-    # address="local" always starts a fresh instance (never attaches to a stray one).
-    ray.init(address="local", num_cpus=machine_cores(), include_dashboard=False, **options)
+    with _keeping_sigterm_handler():
+        if target != "local":
+            try:
+                ray.init(address=target, **options)
+            except Exception as exc:
+                raise RayConnectionError(
+                    f"cannot connect to the Ray cluster at {target!r} (from --ray-address or RAY_ADDRESS): "
+                    f"{describe_exception(exc)}"
+                ) from exc
+            return "remote"
+        # address="local" always starts a fresh instance (never attaches to a stray one).
+        ray.init(address="local", num_cpus=machine_cores(), include_dashboard=False, **options)
     return "local"
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Iterator[None]:
+    """ray.init replaces the SIGTERM handler with sys.exit; a caller's own handler (the command
+    line's, which stops the tasks and exits 143) is put back."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main_thread else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _task_resources(task_cpus: float, task_memory_gb: float, *, local: bool, progress: Progress) -> tuple[float, int]:
@@ -172,8 +199,19 @@ def _loop(remote, options, job_ref, shards, max_inflight, max_attempts, summary:
                 if retry:
                     queue.appendleft(rel)  # retried next, so a crashing shard is settled early
     finally:
-        for ref in inflight:  # interrupted (Ctrl-C): do not leave tasks running on the cluster
-            ray.cancel(ref, force=True)
+        _cancel(list(inflight))  # interrupted: leave no task running on the cluster
+
+
+def _cancel(refs: list) -> None:
+    """Stop running tasks: a KeyboardInterrupt in each (its shard unwinds, removing its temporaries),
+    then the worker is killed if the task is still running `WORKER_STOP_SECONDS` later."""
+    if not refs:
+        return
+    for ref in refs:
+        ray.cancel(ref)
+    _, running = ray.wait(refs, num_returns=len(refs), timeout=WORKER_STOP_SECONDS)
+    for ref in running:
+        ray.cancel(ref, force=True)
 
 
 def _collect(ref, rel: str, max_attempts: int, summary: RaySummary, progress: Progress) -> bool:

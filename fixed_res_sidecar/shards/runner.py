@@ -4,11 +4,24 @@ A shard job is any picklable callable `job(rel) -> result` whose result has `row
 (e.g. `functools.partial(build_resized_shard, main, outputs=..., ...)`). A shard that
 raises fails alone; a worker process that dies (killed, out of memory) costs the shards
 it held one attempt each, and they are retried on a fresh pool up to `max_attempts`.
+
+Stopping. Workers never outlive the run: when the run is interrupted (Ctrl-C, SIGTERM, any
+exception) the parent sends its workers SIGTERM and kills those still there after
+`WORKER_STOP_SECONDS`; when the parent dies (even SIGKILL), each worker gets SIGTERM from
+the kernel (Linux parent-death signal) or from its own watchdog thread, which polls the
+parent pid (any OS) and ends the worker after `WORKER_STOP_SECONDS` at the latest. A worker
+handles SIGTERM by unwinding its shard, so `finally` blocks remove temporaries and abort
+uploads, and then exits with status 143.
 """
 
+import contextlib
+import ctypes
+import functools
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import (
@@ -22,6 +35,23 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from fixed_res_sidecar.core.errors import describe_exception
+
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, what a shell reports for a process ended by SIGTERM
+WORKER_STOP_SECONDS = 5.0  # a stopping worker's time to unwind before it is killed
+PARENT_POLL_SECONDS = 0.2  # how often a worker's watchdog looks at its parent
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: handled like Ctrl-C. Only `finally` blocks and handlers meant for an
+    interrupt see it (temporaries are removed and uploads aborted on the way out), and libraries
+    that cancel their work on KeyboardInterrupt (boto3 transfers, Ray) do so for SIGTERM too."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """SIGTERM handler: raise Terminated once; later ones are ignored so the cleanup can finish."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated(f"signal {signum}")
 
 
 @dataclass
@@ -95,6 +125,7 @@ def run_shards(
     summary = RunSummary()
     progress = progress or Progress(len(shards))
     deaths = dict.fromkeys(shards, 0)
+    task = job if threads else functools.partial(_run_job, job)
     todo, suspects = list(shards), []
     while todo or suspects:
         if suspects:
@@ -102,7 +133,7 @@ def run_shards(
         else:
             batch, width, todo = todo, workers, []
         with _pool(width, threads) as pool:
-            lost, unstarted = _run_pool(pool, job, batch, width, summary, progress)
+            lost, unstarted = _run_pool(pool, task, batch, width, summary, progress)
         if width == 1 and lost:  # it died alone: it is the culprit
             (rel,) = lost
             deaths[rel] += 1
@@ -118,11 +149,93 @@ def run_shards(
     return summary
 
 
+@contextlib.contextmanager
 def _pool(workers: int, threads: bool):
+    """A pool that is shut down normally at the end, and stopped when the block raises."""
     if threads:
-        return ThreadPoolExecutor(max_workers=workers)
-    # spawn, not fork: boto3 clients and thread pools are not fork-safe.
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+        pool = ThreadPoolExecutor(max_workers=workers)
+    else:
+        # spawn, not fork: boto3 clients and thread pools are not fork-safe. The workers are
+        # started by the thread that submits (this one), which outlives them: the kernel's
+        # parent-death signal follows the thread that started a process, not the process.
+        pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(),),
+        )
+    try:
+        yield pool
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown()
+
+
+def _stop(pool) -> None:
+    """Stop a pool at once: nothing more starts, worker processes unwind (SIGTERM), then are killed."""
+    if isinstance(pool, ThreadPoolExecutor):
+        # A thread cannot be stopped from outside; running shards finish (their writes are atomic).
+        pool.shutdown(wait=True, cancel_futures=True)
+        return
+    processes = list((pool._processes or {}).values())  # CPython's pid -> Process map of the pool
+    for process in processes:
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + WORKER_STOP_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+# -- inside a worker process ------------------------------------------------------------
+
+_job_running = False
+
+
+def _init_worker(parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which stops the workers
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    # Also the portable fallback, and the case where the parent died before prctl.
+    start_parent_watchdog(parent_pid)
+
+
+def start_parent_watchdog(parent_pid: int) -> None:
+    """End this process (SIGTERM, then at the latest `WORKER_STOP_SECONDS` later) once `parent_pid` is not its parent."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    os.kill(os.getpid(), signal.SIGTERM)  # unwind the shard in the main thread
+    time.sleep(WORKER_STOP_SECONDS)
+    os._exit(EXIT_TERMINATED)  # the unwinding is stuck (e.g. a write that never returns)
+
+
+def _worker_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if not _job_running:
+        os._exit(EXIT_TERMINATED)  # idle: nothing to clean up
+    raise Terminated(f"signal {signum}")
+
+
+def _run_job(job: Callable[[str], Any], rel: str) -> Any:
+    """`job(rel)` in a worker; on SIGTERM, exit once the shard has unwound (never take another)."""
+    global _job_running
+    _job_running = True
+    try:
+        return job(rel)
+    except Terminated:
+        os._exit(EXIT_TERMINATED)
+    finally:
+        _job_running = False
 
 
 def _run_pool(pool, job, batch, workers, summary, progress) -> tuple[list[str], list[str]]:

@@ -1,20 +1,27 @@
 """The real `sidecar-ops` console script, as a user runs it."""
 
+import io
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
+from PIL import Image
 
 from fixed_res_sidecar.cli.build import format_summary
-from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.locations import Location, s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.shards.verify.report import sample_rows
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, damage_value, tree_snapshot
+from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, SLOW_ROWS, SLOW_SHARDS, damage_value, tree_snapshot
+from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
+from fixed_res_sidecar_tests.fixtures.slow_link import slow_uplink
 
 SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
 
@@ -133,9 +140,13 @@ def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
     assert not (out / "big.parquet").exists()
+    left = _temporaries(out)
+    assert left  # a killed writer cannot remove its temporary...
     rerun = sidecar_ops(*args)
     assert rerun.returncode == 0, rerun.stderr
     assert pq.ParquetFile(out / "big.parquet").metadata.num_rows == 64
+    assert _temporaries(out) == []  # ...the next run does
+    assert f"removed {len(left)} leftover(s) of interrupted runs" in rerun.stderr
 
 
 def test_summary_lists_failures_and_error_codes():
@@ -173,3 +184,154 @@ def test_skip_existing_rebuilds_a_damaged_shard_and_only_it(sample_build):
     assert damaged.read_bytes() == intact  # the build is deterministic
     assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in others} == others
     assert sidecar_ops(*verify).returncode == 0
+
+
+# -- stopping: a killed or terminated command leaves no process, temporary, upload or partial shard --
+
+
+def _build_both_args(main: Location, out: str) -> list[str]:
+    return ["build-both", "--main-prefix", main.uri, "--output-prefix-512", f"{out}/512",
+            "--output-prefix-1024", f"{out}/1024", "--max-inflight", "2", "--skip-existing"]  # fmt: skip
+
+
+def _temporaries(out: Path) -> list[Path]:
+    return list(out.rglob(".*.tmp"))
+
+
+def _shard_rows(out: str, rels) -> dict[str, int | None]:
+    """resolution/rel -> rows of each final output shard, None where there is none."""
+    rows = {}
+    for folder in ("512", "1024"):
+        location = Location.parse(f"{out}/{folder}")
+        for rel in rels:
+            rows[f"{folder}/{rel}"] = location.parquet_file(rel).metadata.num_rows if location.exists(rel) else None
+    return rows
+
+
+def _assert_whole_or_absent(out: str, rels, rows: int) -> dict[str, int | None]:
+    found = _shard_rows(out, rels)
+    assert set(found.values()) <= {None, rows}, found  # never a partial shard at a final name
+    return found
+
+
+def _assert_rerun_completes(args: list[str], out: str, rels, rows: int, env=None) -> subprocess.CompletedProcess:
+    rerun = subprocess.run([*SIDECAR_OPS, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    assert set(_shard_rows(out, rels).values()) == {rows}  # every shard, every row: none lost
+    return rerun
+
+
+def test_workers_exit_when_the_parent_is_killed(slow_main, tmp_path):
+    out = tmp_path / "out"
+    args = _build_both_args(slow_main, str(out))
+    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out)) as (process, procs):
+        os.kill(process.pid, signal.SIGKILL)  # the parent alone, as the OOM killer or a supervisor does
+        process.wait()
+        seconds = wait_until_gone(procs, timeout=30)
+        assert read_to_eof(process.stdout, timeout=30) is not None, "a caller reading stdout never gets EOF"
+    print(f"\n{len(procs)} processes under the killed parent, all gone {seconds:.2f} s after its death")
+    assert _temporaries(out) == []  # the workers unwound their shards
+    print(f"shards present after the kill: {_assert_whole_or_absent(str(out), SLOW_SHARDS, SLOW_ROWS)}")
+    _assert_rerun_completes(args, str(out), SLOW_SHARDS, SLOW_ROWS)
+
+
+def test_sigterm_stops_the_workers_and_exits_143(slow_main, tmp_path):
+    out = tmp_path / "out"
+    args = _build_both_args(slow_main, str(out))
+    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out)) as (process, procs):
+        os.kill(process.pid, signal.SIGTERM)  # the parent alone, as Kubernetes and Ray do
+        stopping = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+        seconds = time.monotonic() - stopping
+        assert process.returncode == 143, stderr.decode()
+        assert "terminated (SIGTERM)" in stderr.decode()
+        assert not [p for p in pool_workers(procs) if p.running]  # stopped before the command exited
+        wait_until_gone(procs, timeout=30)  # and the resource tracker follows its parent
+    print(f"\nSIGTERM: exit 143 after {seconds:.2f} s")
+    assert _temporaries(out) == []
+    _assert_whole_or_absent(str(out), SLOW_SHARDS, SLOW_ROWS)
+    _assert_rerun_completes(args, str(out), SLOW_SHARDS, SLOW_ROWS)
+
+
+def test_ctrl_c_stops_everything_and_exits_130(slow_main, tmp_path):
+    out = tmp_path / "out"
+    args = _build_both_args(slow_main, str(out))
+    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out)) as (process, procs):
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr.decode()
+        assert not [p for p in pool_workers(procs) if p.running]
+        wait_until_gone(procs, timeout=30)
+    assert _temporaries(out) == []
+    _assert_whole_or_absent(str(out), SLOW_SHARDS, SLOW_ROWS)
+    _assert_rerun_completes(args, str(out), SLOW_SHARDS, SLOW_ROWS)
+
+
+# On S3: shards big enough for a multipart upload, sent through a slow link so the upload is open for seconds.
+NOISE_SHARDS = ["n-0.parquet", "n-1.parquet"]
+NOISE_ROWS = 14  # about 11 MB of 1024-area WebP per shard
+
+
+def _noise_main(tmp_path) -> Location:
+    main = Location.parse(tmp_path / "main")
+    images = []
+    for _ in range(NOISE_ROWS):
+        data = io.BytesIO()
+        Image.effect_noise((1280, 1024), 80).convert("RGB").save(data, "JPEG", quality=90)
+        images.append(data.getvalue())
+    table = pa.table({"image_key": [f"k{i}" for i in range(NOISE_ROWS)], "image": pa.array(images, pa.binary())})
+    Path(main.path).mkdir(parents=True)
+    for rel in NOISE_SHARDS:
+        pq.write_table(table, Path(main.path, rel), row_group_size=4)
+    return main
+
+
+def _uploads(bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+@dataclass
+class S3Build:
+    args: list[str]  # a build of big shards to S3
+    out: str
+    tmpdir: Path  # the build's TMPDIR
+    env: dict[str, str]  # straight to the S3 server
+    slow_env: dict[str, str]  # through a slow uplink (2 MB/s per connection): uploads stay open for seconds
+
+
+@pytest.fixture
+def s3_build(s3_bucket, s3_server, tmp_path):
+    out = f"s3://{s3_bucket}/derived"
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    with slow_uplink(s3_server, 2_000_000) as slow_endpoint:
+        yield S3Build(_build_both_args(_noise_main(tmp_path), out), out, tmpdir, env,
+                      {**env, "AWS_ENDPOINT_URL": slow_endpoint})  # fmt: skip
+
+
+def test_a_killed_s3_build_leaves_uploads_and_staging_folders_that_the_next_run_removes(s3_build, s3_bucket):
+    build = s3_build
+    with started([*SIDECAR_OPS, *build.args], lambda: _uploads(s3_bucket), build.slow_env) as (process, procs):
+        os.killpg(process.pid, signal.SIGKILL)  # everything at once: nothing can clean up
+        process.wait()
+        wait_until_gone(procs, timeout=30)
+    left_uploads, left_folders = _uploads(s3_bucket), list(build.tmpdir.glob("sidecar-*"))
+    assert left_uploads and left_folders  # what a kill leaves
+    _assert_whole_or_absent(build.out, NOISE_SHARDS, NOISE_ROWS)
+    rerun = _assert_rerun_completes(build.args, build.out, NOISE_SHARDS, NOISE_ROWS, build.env)
+    assert _uploads(s3_bucket) == [] and list(build.tmpdir.iterdir()) == []
+    assert "leftover(s) of interrupted runs" in rerun.stderr and "incomplete upload" in rerun.stderr
+    print(f"\nkilled: {len(left_uploads)} uploads, {len(left_folders)} staging folders left; after the rerun: 0, 0")
+
+
+def test_sigterm_during_s3_uploads_aborts_them_and_leaves_nothing(s3_build, s3_bucket):
+    build = s3_build
+    with started([*SIDECAR_OPS, *build.args], lambda: _uploads(s3_bucket), build.slow_env) as (process, procs):
+        os.kill(process.pid, signal.SIGTERM)  # while an upload is open
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 143, stderr.decode()
+        wait_until_gone(procs, timeout=30)
+    assert _uploads(s3_bucket) == [] and list(build.tmpdir.iterdir()) == []
+    _assert_whole_or_absent(build.out, NOISE_SHARDS, NOISE_ROWS)
+    _assert_rerun_completes(build.args, build.out, NOISE_SHARDS, NOISE_ROWS, build.env)

@@ -1,15 +1,29 @@
 import functools
 import operator
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from botocore.exceptions import ClientError
 
-from fixed_res_sidecar.io.locations import STALE_TEMPORARY_SECONDS, Location, LocationError, check_output_location
+from fixed_res_sidecar.io import locations
+from fixed_res_sidecar.io.locations import (
+    STALE_TEMPORARY_SECONDS,
+    Location,
+    LocationError,
+    check_output_location,
+    remove_temp_dir_leftovers,
+    s3_client,
+)
 from fixed_res_sidecar.io.retry import StorageError
+from fixed_res_sidecar.shards.runner import Terminated, raise_terminated
 
 
 def _touch(root: Path, rel: str, data: bytes = b"x") -> None:
@@ -212,3 +226,198 @@ def test_an_s3_listing_that_fails_is_a_storage_error(s3_env):
         StorageError, match="storage failed listing s3://no-such-bucket-for-sidecar/data: .*NoSuchBucket"
     ):
         location.list_shards()
+
+
+# -- leftovers: an interrupted write removes its own; a killed writer's go at the next run --
+
+FAILURES = [RuntimeError("disk full"), KeyboardInterrupt(), Terminated("signal 15")]
+
+
+@pytest.fixture
+def staging(tmp_path, monkeypatch) -> Path:
+    """This process's TMPDIR, fresh and empty (S3 writes stage their files there)."""
+    folder = tmp_path / "tmpdir"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def _uploads(bucket: str) -> list[str]:
+    return [u["Key"] for u in s3_client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of another process that is running (a writer at work)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def _temporary(name: str, pid: int, machine: str | None = None) -> str:
+    return f".{name}.{machine or locations._machine_id()}-{pid}-0123abcd.tmp"
+
+
+def _age(path: Path, seconds: float) -> None:
+    old = time.time() - seconds
+    os.utime(path, (old, old), follow_symlinks=False)
+
+
+@pytest.mark.parametrize("failure", FAILURES, ids=lambda e: type(e).__name__)
+def test_a_failed_local_write_removes_its_temporary_at_once(tmp_path, failure):
+    table = pa.table({"x": list(range(1000))})
+    with (
+        pytest.raises(type(failure)),
+        Location.parse(tmp_path / "out").write_atomic("a/b.parquet") as tmp,
+        pq.ParquetWriter(tmp, table.schema) as w,
+    ):
+        w.write_table(table)  # a row group is in the temporary
+        assert Path(tmp).stat().st_size > 0
+        raise failure
+    assert list((tmp_path / "out" / "a").iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", FAILURES, ids=lambda e: type(e).__name__)
+def test_a_failed_s3_write_leaves_no_object_and_no_staging_folder(s3_bucket, staging, failure):
+    with pytest.raises(type(failure)), Location.parse(f"s3://{s3_bucket}/out").write_atomic("b.parquet") as tmp:
+        Path(tmp).write_bytes(b"half a shard")
+        raise failure
+    assert list(staging.iterdir()) == []
+    assert Location.parse(f"s3://{s3_bucket}/out").list_shards() == [] and _uploads(s3_bucket) == []
+
+
+def test_a_big_s3_write_is_one_completed_multipart_upload(s3_bucket, staging):
+    data = os.urandom(locations.MULTIPART_PART_BYTES * 2 + 12345)
+    location = Location.parse(f"s3://{s3_bucket}/out")
+    location.write_bytes("big.parquet", data)
+    assert location.read_bytes("big.parquet") == data
+    head = s3_client().head_object(Bucket=s3_bucket, Key="out/big.parquet")
+    assert head["ETag"].endswith('-3"')  # three parts
+    assert _uploads(s3_bucket) == [] and list(staging.iterdir()) == []
+
+
+def test_a_multipart_upload_the_server_refuses_is_aborted(s3_bucket, staging, monkeypatch):
+    # Parts under S3's 5 MiB minimum: the server refuses to complete the upload (EntityTooSmall).
+    monkeypatch.setattr(locations, "MULTIPART_THRESHOLD_BYTES", 2**20)
+    monkeypatch.setattr(locations, "MULTIPART_PART_BYTES", 2**20)
+    location = Location.parse(f"s3://{s3_bucket}/out")
+    with pytest.raises(ClientError, match="EntityTooSmall"):
+        location.write_bytes("b.parquet", os.urandom(3 * 2**20))
+    assert _uploads(s3_bucket) == [] and not location.exists("b.parquet")
+    assert list(staging.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
+def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum, raised):
+    """Ctrl-C or SIGTERM (as the command line handles it) while a part is on its way."""
+    location = Location.parse(f"s3://{s3_bucket}/out")
+    client, sent = s3_client(), []
+
+    def signal_once(**_):
+        if not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    client.meta.events.register("before-send.s3.UploadPart", signal_once)
+    try:
+        with pytest.raises(raised):
+            location.write_bytes("b.parquet", os.urandom(3 * locations.MULTIPART_PART_BYTES))
+    finally:
+        client.meta.events.unregister("before-send.s3.UploadPart", signal_once)
+        signal.signal(signal.SIGTERM, previous)
+    assert sent == [signum]
+    assert _uploads(s3_bucket) == [] and not location.exists("b.parquet")
+    assert list(staging.iterdir()) == []
+
+
+def test_remove_leftovers_takes_temporaries_of_dead_or_long_gone_writers_only(tmp_path, live_pid):
+    out, dead = tmp_path / "out", _dead_pid()
+    gone = [
+        f"a/{_temporary('x.parquet', dead)}",  # its writer died on this machine: removed at once
+        f"a/b/{_temporary('y.parquet', live_pid)}",  # a live writer's, but untouched for too long
+        "a/.z.parquet.0123456789ab.tmp",  # an earlier version's name, long untouched
+    ]
+    kept = [
+        f"a/{_temporary('w.parquet', live_pid)}",  # a live writer's
+        f"a/{_temporary('v.parquet', dead, machine='0badf00d')}",  # another machine's: its pid means nothing here
+        "a/.u.parquet.0123456789ab.tmp",  # an earlier version's name, fresh
+        "a/.u.parquet.tmp",  # not a name this package writes
+        f".hidden/{_temporary('x.parquet', dead)}",  # no output lives in hidden folders
+    ]
+    for rel in gone + kept:
+        _touch(out, rel)
+    for rel in gone[1:]:
+        _age(out / rel, STALE_TEMPORARY_SECONDS + 60)
+    # Links are never followed: neither a link named like a temporary, nor a linked folder.
+    _touch(tmp_path, "elsewhere/target.parquet")
+    _touch(tmp_path, f"elsewhere/{_temporary('t.parquet', dead)}")
+    (out / "a" / _temporary("link.parquet", dead)).symlink_to(tmp_path / "elsewhere" / "target.parquet")
+    (out / "linked").symlink_to(tmp_path / "elsewhere")
+    cleanup = Location.parse(out).remove_leftovers()
+    assert sorted(cleanup.removed) == sorted(str(out / rel) for rel in gone) and cleanup.problems == []
+    for rel in kept:
+        assert (out / rel).exists()
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(
+        ["target.parquet", _temporary("t.parquet", dead)]
+    )
+    assert (out / "a" / _temporary("link.parquet", dead)).is_symlink()
+
+
+def test_a_write_removes_the_temporaries_of_dead_writers_beside_it(tmp_path, live_pid):
+    dead, live = _temporary("b.parquet", _dead_pid()), _temporary("b.parquet", live_pid)
+    _touch(tmp_path, f"a/{dead}")
+    _touch(tmp_path, f"a/{live}")
+    Location.parse(tmp_path).write_bytes("a/b.parquet", b"x")
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([live, "b.parquet"])
+
+
+def test_remove_leftovers_aborts_stale_incomplete_uploads_under_the_prefix_only(s3_bucket):
+    client = s3_client()
+    keys = ["out/a.parquet", "out/r/report.json", "out/o/pic.png", "out/notes.txt", "other/b.parquet", "out2/c.parquet"]
+    for key in keys:
+        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
+    location = Location.parse(f"s3://{s3_bucket}/out")
+    # moto says every upload was initiated in 2010: younger than a century is kept, older than 6 h is not.
+    assert location.remove_leftovers(older_than=100 * 365 * 86400).removed == []
+    cleanup = location.remove_leftovers()
+    assert sorted(r.split(" ")[0] for r in cleanup.removed) == [f"s3://{s3_bucket}/{k}" for k in sorted(keys[:3])]
+    assert sorted(_uploads(s3_bucket)) == sorted(keys[3:])
+
+
+def test_remove_temp_dir_leftovers_aborts_the_uploads_of_dead_writers(s3_bucket, staging, live_pid):
+    client = s3_client()
+    upload = client.create_multipart_upload(Bucket=s3_bucket, Key="out/x.parquet")["UploadId"]
+    client.upload_part(Bucket=s3_bucket, Key="out/x.parquet", UploadId=upload, PartNumber=1, Body=b"x" * 1000)
+    machine = locations._machine_id()
+    dead = staging / f"sidecar-{machine}-{_dead_pid()}-abcd_123"
+    _touch(dead, "x.parquet", b"x" * 2000)
+    _touch(dead, f"x.parquet{locations.UPLOAD_RECORD_SUFFIX}", locations.json.dumps(
+        {"bucket": s3_bucket, "key": "out/x.parquet", "upload_id": upload}).encode())  # fmt: skip
+    live = staging / f"sidecar-{machine}-{live_pid}-abcd_456"
+    _touch(live, "y.parquet")
+    old_style, old_fresh, not_ours = (
+        staging / "sidecar-a1b2c3d4",
+        staging / "sidecar-e5f6g7h8",
+        staging / "sidecar-i9j0k1l2",
+    )
+    _touch(old_style, "z.parquet")
+    _touch(old_fresh, "z.parquet")
+    _touch(not_ours, "notes.txt")
+    for folder in (old_style, not_ours):
+        _age(folder / next(folder.iterdir()).name, STALE_TEMPORARY_SECONDS + 60)
+        _age(folder, STALE_TEMPORARY_SECONDS + 60)
+    (staging / "unrelated").mkdir()
+    cleanup = remove_temp_dir_leftovers()
+    assert sorted(cleanup.removed) == sorted(
+        [str(dead), str(old_style), f"s3://{s3_bucket}/out/x.parquet (incomplete upload {upload})"]
+    )
+    assert cleanup.problems == [] and _uploads(s3_bucket) == []
+    assert sorted(p.name for p in staging.iterdir()) == sorted([live.name, old_fresh.name, not_ours.name, "unrelated"])

@@ -27,7 +27,14 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.layout import ResizedOutput
 from fixed_res_sidecar.shards.resize import build_resized_shard
 from fixed_res_sidecar.shards.runner import Progress
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, layout_of, resized_outputs
+from fixed_res_sidecar_tests.fixtures.datasets import (
+    SHARDS,
+    SLOW_ROWS,
+    SLOW_SHARDS,
+    layout_of,
+    resized_outputs,
+)
+from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -282,3 +289,52 @@ def test_use_ray_without_ray_installed_says_so(sample_main, tmp_path):
     assert "--use-ray needs Ray, which is not installed" in done.stderr
     assert "pip install 'fixed-resolution-sidecar[ray]'" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- stopping a `--use-ray` command: its tasks end too ------------------------------------
+
+
+def _ray_build_of_slow_shards(slow_main, tmp_path) -> tuple[list[str], dict[str, str], Path]:
+    pytest.importorskip("ray")
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "fixed_res_sidecar.cli", *build_both(slow_main, out)]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return args, env, out
+
+
+def _whole_or_absent(out: Path) -> None:
+    assert not list(out.rglob(".*.tmp"))
+    for path in out.rglob("*.parquet"):
+        assert pq.ParquetFile(path).metadata.num_rows == SLOW_ROWS
+
+
+def test_sigterm_cancels_the_ray_tasks_and_exits_143(slow_main, tmp_path):
+    args, env, out = _ray_build_of_slow_shards(slow_main, tmp_path)
+    with started([*args, "--use-ray"], lambda: list(out.rglob(".*.tmp")), env) as (process, procs):
+        os.kill(process.pid, signal.SIGTERM)  # the driver alone, as Kubernetes or `ray job stop` do
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 143, stderr.decode()[-3000:]
+        assert not [p for p in pool_workers(procs) if p.running]  # the tasks ended before the driver
+        wait_until_gone(procs, timeout=60)  # the local Ray it started is shut down
+    _whole_or_absent(out)  # the cancelled tasks unwound: no temporary left
+
+
+def test_ray_tasks_end_when_the_driver_is_killed(slow_main, tmp_path):
+    args, env, out = _ray_build_of_slow_shards(slow_main, tmp_path)
+    with started([*args, "--use-ray"], lambda: list(out.rglob(".*.tmp")), env) as (process, procs):
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        # The local Ray shares the driver's fate; its task workers exit once their raylet is gone.
+        # (Ray's dashboard and runtime-env agents take about a minute more; the test ends them.)
+        seconds = wait_until_gone(pool_workers(procs), timeout=60)
+        assert read_to_eof(process.stdout, timeout=30) is not None
+    print(f"\nRay task workers gone {seconds:.2f} s after the driver's death")
+    for path in out.rglob("*.parquet"):
+        assert pq.ParquetFile(path).metadata.num_rows == SLOW_ROWS  # whole or absent
+    # Temporaries the tasks may have left (Ray ends them with or without unwinding) name their dead
+    # processes: the next run removes them at once.
+    rerun = subprocess.run([*args, "--skip-existing"], env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    _whole_or_absent(out)
+    assert len(list(out.rglob("*.parquet"))) == 2 * len(SLOW_SHARDS)  # every shard, every row

@@ -1,11 +1,17 @@
 import io
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fixed_res_sidecar.shards.runner import Progress, local_workers, run_shards
+import pytest
+
+from fixed_res_sidecar.shards.runner import Progress, Terminated, local_workers, raise_terminated, run_shards
+from fixed_res_sidecar_tests.fixtures.processes import descendants, pool_workers, wait_until_gone
 
 
 @dataclass
@@ -76,3 +82,101 @@ def test_local_workers_respect_inflight_and_cores():
     assert local_workers(32, 1) == min(32, cores)
     assert local_workers(32, cores * 4) == 1  # never zero
     assert local_workers(32, 2) == max(1, cores // 2)
+
+
+@dataclass
+class Lingers:
+    """Notes its pid, then works for a long time; notes when its shard unwinds (its `finally`)."""
+
+    marker_dir: str
+    seconds: float = 600.0
+
+    def __call__(self, rel: str) -> Done:
+        marker = Path(self.marker_dir, rel)
+        marker.write_text(str(os.getpid()))
+        try:
+            time.sleep(self.seconds)
+        finally:
+            Path(self.marker_dir, f"{rel}.unwound").touch()
+        return Done(rel)
+
+
+def _when(condition, then, timeout: float = 120) -> threading.Thread:
+    """Run `then()` on a thread as soon as `condition()` holds."""
+
+    def watch():
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        then()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def sigterm_raises():
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_sigterm_stops_worker_processes_which_unwind_their_shards(tmp_path, sigterm_raises):
+    shards = ["a", "b", "c", "d"]
+    workers = []
+
+    def note_workers_then_terminate():
+        workers.extend(pool_workers(descendants(os.getpid())))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    _when(lambda: len(list(tmp_path.glob("?"))) == 2, note_workers_then_terminate)
+    with pytest.raises(Terminated):
+        run_shards(Lingers(str(tmp_path)), shards, workers=2, progress=Progress(4, quiet=True))
+    assert len(workers) == 2 and not [w for w in workers if w.running]  # gone when run_shards returns
+    assert sorted(p.name for p in tmp_path.glob("*.unwound")) == ["a.unwound", "b.unwound"]
+    assert not Path(tmp_path, "c").exists()  # nothing more started
+
+
+def test_sigterm_lets_running_threads_finish_and_starts_no_more(tmp_path, sigterm_raises):
+    _when(lambda: Path(tmp_path, "a").exists(), lambda: os.kill(os.getpid(), signal.SIGTERM))
+    with pytest.raises(Terminated):
+        run_shards(Lingers(str(tmp_path), 1.0), ["a", "b", "c"], workers=1, threads=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.unwound"]
+
+
+# A worker's watchdog alone (no parent-death signal), in a child of a parent that gets SIGKILLed.
+WATCHED_WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+from fixed_res_sidecar.shards import runner
+
+def job(rel):
+    Path(rel).write_text(str(os.getpid()))
+    try:
+        time.sleep(600)
+    finally:
+        Path(rel + ".unwound").touch()
+
+signal.signal(signal.SIGTERM, runner._worker_sigterm)
+runner.start_parent_watchdog(os.getppid())
+runner._run_job(job, sys.argv[1])
+"""
+
+
+def test_the_watchdog_ends_a_worker_whose_parent_died(tmp_path):
+    marker = tmp_path / "job"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:]); time.sleep(600)",
+         sys.executable, "-c", WATCHED_WORKER, str(marker)],
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (marker.exists() and marker.read_text()):
+        assert time.monotonic() < deadline, "the worker never started its job"
+        time.sleep(0.02)
+    (worker,) = descendants(parent.pid)
+    parent.kill()
+    parent.wait()
+    seconds = wait_until_gone([worker], timeout=30)
+    assert Path(f"{marker}.unwound").exists()  # ended by unwinding its job, not killed
+    print(f"\nthe watchdog ended the orphaned worker {seconds:.2f} s after its parent's death")
