@@ -7,13 +7,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 PILLOW_SIMD=pillow-simd==12.1.1.post0
 # pillow-simd builds from source: these headers decide which formats it can read and write.
+BUILD_HEADERS="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
 # chromium: the browser tests drive Debian's Chromium with Playwright (no browser download).
-APT_PACKAGES="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev chromium"
+# postgresql: the Postgres-backed Dagster tests start their own server from Debian's binaries.
+APT_PACKAGES="$BUILD_HEADERS chromium postgresql"
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 if ! dpkg -s $APT_PACKAGES >/dev/null 2>&1; then
-    echo "setup: installing build headers: $APT_PACKAGES"
+    echo "setup: installing apt packages: $APT_PACKAGES"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $APT_PACKAGES >/dev/null
 fi

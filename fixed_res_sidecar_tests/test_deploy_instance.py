@@ -1,0 +1,381 @@
+"""deploy/dagster.yaml for real: a Postgres-backed instance with a live `dagster-daemon` (the default
+run launcher instead of Kubernetes), shard backfills launched as the UI does (GraphQL), and the
+processes that can die mid-backfill killed with SIGKILL.
+
+The fixtures (fixtures/postgres.py, fixtures/dagster_deployment.py) start a real PostgreSQL server,
+the code location's gRPC server (which starts one process per run, the default run launcher), the
+daemon and the webserver, each in its own session. Every wait is bounded and says what it waited
+for; nothing is timed.
+"""
+
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import dagster as dg
+import pyarrow.parquet as pq
+import yaml
+from dagster._core.execution.backfill import BulkActionStatus
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.tags import PARTITION_NAME_TAG
+
+from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import DATASET_TAG
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar_tests.defs.conftest import TINY_SIZES, check_partition_status, dataset_entry, register
+from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
+    CLUSTER_ONLY,
+    DEPLOY_INSTANCE,
+    InstanceSettings,
+    wait_until,
+)
+
+RUN_TIMEOUT = 240.0  # generous: a tiny shard's run takes seconds, a queue wait and a process start a few more
+# deploy's run_monitoring keys the test instance sets (deploy keeps max_resume_run_attempts: 0 itself).
+TEST_MONITORING = ("poll_interval_seconds", "max_runtime_seconds", "start_timeout_seconds", "cancel_timeout_seconds")
+IN_PROGRESS = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
+FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
+BACKFILL_DONE = {BulkActionStatus.COMPLETED_SUCCESS, BulkActionStatus.COMPLETED_FAILED}
+
+
+def tiny_dataset(root: Path, name: str, shards: list[str], rows: int = 7, sizes=TINY_SIZES, **extra) -> dict:
+    """A main dataset of `shards` under `root` and its datasets-file entry (one resize thread)."""
+    write_sample_dataset(root / "main" / name, shards=shards, rows_per_shard=rows, row_group_size=4, sizes=sizes)
+    return dataset_entry(
+        name, Location.parse(root / "main" / name), Location.parse(root / "out"), threads_per_shard=1, **extra
+    )
+
+
+def datasets_config(deployment, *entries: dict) -> SidecarConfig:
+    config = {"datasets": list(entries)}
+    deployment.write_datasets(config)
+    return parse_config(config, source=str(deployment.datasets_file))
+
+
+def partitioned_check_keys(config: SidecarConfig) -> list[dg.AssetCheckKey]:
+    graph = build_definitions(config).resolve_asset_graph()
+    return [key for key in graph.asset_check_keys if graph.get(key).partitions_def is not None]
+
+
+def shard_asset_keys(name: str) -> list[dg.AssetKey]:
+    keys = DatasetKeys(name)
+    return [*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox]
+
+
+def output_asset_keys(name: str) -> list[dg.AssetKey]:
+    """The assets that write a shard's outputs (the verifiers only read them)."""
+    keys = DatasetKeys(name)
+    return [*(keys.resized(r) for r in RESOLUTIONS), keys.crop_bbox]
+
+
+def built_by(instance, key: dg.AssetKey, rel: str) -> list[str]:
+    """The runs whose materialisation of `key` for shard `rel` wrote it ("built", not "skipped" as up to date)."""
+    return [
+        m.run_id
+        for m in materializations(instance, key, rel)
+        if m.asset_materialization.metadata["status"].value == "built"
+    ]
+
+
+def run_records(instance, **filters) -> list[dg.RunRecord]:
+    return list(instance.get_run_records(dg.RunsFilter(**filters)))
+
+
+def materializations(instance, key: dg.AssetKey, rel: str) -> list[dg.EventLogRecord]:
+    return list(
+        instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[rel]), limit=100).records
+    )
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most spans (start, end) open at one instant; a span ending when another starts does not overlap it."""
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    open_now = most = 0
+    for _, step in edges:
+        open_now += step
+        most = max(most, open_now)
+    return most
+
+
+def run_spans(records: list[dg.RunRecord]) -> list[tuple[float, float]]:
+    return [(r.start_time, r.end_time) for r in records if r.start_time is not None]
+
+
+def assert_no_partition_built_twice_at_once(records: list[dg.RunRecord]) -> None:
+    by_partition = defaultdict(list)
+    for record in records:
+        by_partition[record.dagster_run.tags[PARTITION_NAME_TAG]].append(record)
+    for rel, runs in by_partition.items():
+        assert most_at_once(run_spans(runs)) <= 1, (
+            f"{rel}: runs overlapped: {[(r.dagster_run.run_id, r.start_time, r.end_time) for r in runs]}"
+        )
+
+
+def assert_shards_complete(instance, config: SidecarConfig, rels_by_dataset: dict[str, list[str]]) -> None:
+    """Every shard materialised (each asset of the shard job) and every partitioned check SUCCEEDED."""
+    check_keys = partitioned_check_keys(config)
+    for name, rels in rels_by_dataset.items():
+        for key in shard_asset_keys(name):
+            assert instance.get_materialized_partitions(key) == set(rels), key.to_user_string()
+        keys = [k for k in check_keys if k.asset_key.path[0] == name]
+        statuses = check_partition_status(instance, keys, rels)
+        assert statuses == {(k.to_user_string(), rel): "SUCCEEDED" for k in keys for rel in rels}
+
+
+def assert_outputs_whole(dataset, rels: list[str]) -> None:
+    """Each output holds exactly the shards `rels` (no stray files listed), each with main's keys in order."""
+    for output in ("resized_512", "resized_1024", "crop_bbox"):
+        location = dataset.output(output)
+        assert location.list_shards() == sorted(rels), output
+        for rel in rels:
+            main_keys = pq.read_table(dataset.main.child(rel), columns=[dataset.key_column]).column(0).to_pylist()
+            keys = pq.read_table(location.child(rel), columns=[dataset.key_column]).column(0).to_pylist()
+            assert keys == main_keys, f"{output}: {rel}"
+
+
+def backfill_status(instance, backfill_id: str) -> BulkActionStatus:
+    return instance.get_backfill(backfill_id).status
+
+
+def changed_leaves(before, after, path: str = "") -> set[str]:
+    """Dotted paths of the values that differ between two loaded YAML documents (of sections both have)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        keys = set(before) & set(after) if not path else set(before) | set(after)
+        return set().union(*(changed_leaves(before.get(k), after.get(k), f"{path}{k}.") for k in keys))
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return set().union(*(changed_leaves(b, a, f"{path}{i}.") for i, (b, a) in enumerate(zip(before, after))))
+    return set() if before == after else {path.rstrip(".")}
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+
+def test_instance_is_deploy_with_the_default_run_launcher(dagster_deployment):
+    """The derived dagster.yaml keeps every deploy section but the cluster-only ones, and Dagster
+    reads it as Postgres storage, deploy's coordinator, limits, retries and monitoring."""
+    deploy = yaml.safe_load(DEPLOY_INSTANCE.read_text())
+    written = yaml.safe_load((dagster_deployment.home / "dagster.yaml").read_text())
+    assert set(written) == set(deploy) - set(CLUSTER_ONLY)
+    assert changed_leaves(deploy, written) == {
+        "storage.postgres.postgres_db.port",
+        "run_coordinator.config.dequeue_interval_seconds",
+        "concurrency.runs.max_concurrent_runs",
+        "concurrency.runs.tag_concurrency_limits.0.limit",
+        *(f"run_monitoring.{key}" for key in TEST_MONITORING),
+    }
+    assert written["storage"]["postgres"]["postgres_db"]["port"] == dagster_deployment.database.server.port
+
+    ref = InstanceRef.from_dir(str(dagster_deployment.home))
+    assert ref.run_coordinator_data.class_name == deploy["run_coordinator"]["class"]
+    with dagster_deployment.instance() as instance:
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == deploy["run_retries"]["max_retries"]
+        assert (
+            instance.run_monitoring_enabled
+            and instance.run_monitoring_max_runtime_seconds == InstanceSettings().max_runtime_seconds
+        )
+        limits = instance.get_concurrency_config().run_queue_config
+        assert limits.max_concurrent_runs == InstanceSettings().max_concurrent_runs
+        (per_dataset,) = [rule for rule in limits.tag_concurrency_limits if rule["key"] == DATASET_TAG]
+        assert per_dataset["limit"] == InstanceSettings().per_dataset_limit
+        # Really on the test server: the storage's tables are in the test database.
+        tables = dagster_deployment.database.server.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'runs'", dagster_deployment.database.name
+        )
+        assert tables == [(1,)]
+
+
+def start_with_backfills(deployment, backfills: dict[str, list[str]]) -> list[str]:
+    """Code server and webserver, the backfills launched from GraphQL (job name -> partitions), then the
+    daemon: its first backfill iteration submits them at once (it iterates every 30 s)."""
+    deployment.start_code_server()
+    deployment.start_webserver()
+    ids = [deployment.launch_backfill(job, partitions) for job, partitions in backfills.items()]
+    deployment.start_daemon()
+    return ids
+
+
+def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_path):
+    """Three datasets backfilled at once: every shard built with all its checks, never more than
+    max_concurrent_runs runs in progress, never more than the per-dataset limit of one dataset's runs."""
+    settings = dagster_deployment.write_instance(InstanceSettings(max_concurrent_runs=2, per_dataset_limit=1))
+    limit = settings["concurrency"]["runs"]["max_concurrent_runs"]
+    shards = ["part-0.parquet", "deep/part-1.parquet"]
+    names = ["fleet_a", "fleet_b", "fleet_c"]
+    config = datasets_config(dagster_deployment, *(tiny_dataset(tmp_path, name, shards) for name in names))
+    with dagster_deployment.instance() as instance:
+        for name in names:
+            assert register(instance, config, name) == sorted(shards)
+    shard_jobs = [DatasetKeys(name).shard_job for name in names]
+    start_with_backfills(dagster_deployment, dict.fromkeys(shard_jobs, shards))
+
+    with dagster_deployment.instance() as instance:
+        seen_total, seen_per_dataset = 0, 0
+
+        def all_runs_finished() -> bool:
+            nonlocal seen_total, seen_per_dataset
+            running = instance.get_runs(dg.RunsFilter(statuses=IN_PROGRESS))
+            per_dataset = defaultdict(int)
+            for run in running:
+                per_dataset[run.tags[DATASET_TAG]] += 1
+            seen_total = max(seen_total, len(running))
+            seen_per_dataset = max([seen_per_dataset, *per_dataset.values()])
+            runs = [r for r in instance.get_runs() if r.job_name in shard_jobs]
+            return len(runs) == len(names) * len(shards) and all(r.status in FINISHED for r in runs)
+
+        wait_until(all_runs_finished, RUN_TIMEOUT, "the backfills' runs to finish", interval=0.2,
+                   detail=dagster_deployment.report)  # fmt: skip
+
+        dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)  # and any run the automation sensors added
+        everything = run_records(instance)
+        records = [r for r in everything if r.dagster_run.job_name in shard_jobs]
+        assert {r.dagster_run.status for r in records} == {dg.DagsterRunStatus.SUCCESS}
+        run_of = {(r.dagster_run.tags[DATASET_TAG], r.dagster_run.tags[PARTITION_NAME_TAG]): r for r in records}
+        assert len(records) == len(run_of) and set(run_of) == {(name, rel) for name in names for rel in shards}
+        assert seen_total <= limit and seen_per_dataset <= 1
+        # From the stored start and end times too (every run counts); the global limit was reached.
+        assert most_at_once(run_spans(everything)) == limit
+        for name in names:
+            assert most_at_once(run_spans([r for r in everything if r.dagster_run.tags[DATASET_TAG] == name])) == 1
+        for (name, rel), record in run_of.items():
+            for key in output_asset_keys(name):
+                assert built_by(instance, key, rel) == [record.dagster_run.run_id], (key.to_user_string(), rel)
+        assert_shards_complete(instance, config, {name: shards for name in names})
+        for name in names:
+            assert_outputs_whole(config.dataset(name), shards)
+
+
+def engine_messages(instance, run_id: str) -> list[str]:
+    return [e.message for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)]
+
+
+def run_worker_pid(instance, run_id: str) -> int | None:
+    """The pid the run's process reported ("Started process for run (pid: N)")."""
+    for entry in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
+        metadata = entry.dagster_event.engine_event_data.metadata
+        if "pid" in metadata:
+            return int(metadata["pid"].value)
+    return None
+
+
+def started_steps(instance, run_id: str) -> set[str]:
+    return {e.step_key for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_START)}
+
+
+# Resizing this shard takes seconds (WebP's slowest method, one thread), long enough to kill its run
+# inside the step, with pictures that are quick to generate.
+SLOW_SHARD = {"rows": 16, "sizes": ((800, 600), (600, 800)), "webp_method": 6}
+
+
+def test_a_killed_run_is_retried_and_its_shard_built_once(dagster_deployment, tmp_path):
+    """SIGKILL the run worker in the middle of the first step (the resize) of a shard run that the discovery
+    sensor requested: the code server reports the run failed, run_retries starts a retry, and the
+    shard ends built once, whole, with every check of its partition recorded."""
+    rel = "2026/part-0.parquet"
+    sensor = {"interval_seconds": 5, "default_status": "running"}
+    entry = tiny_dataset(tmp_path, "slow", [rel], sensor=sensor, **SLOW_SHARD)
+    config = datasets_config(dagster_deployment, entry)
+    keys = DatasetKeys("slow")
+    dagster_deployment.start_code_server()
+    dagster_deployment.start_daemon()
+
+    with dagster_deployment.instance() as instance:
+
+        def building_run() -> dg.DagsterRun | None:
+            runs = instance.get_runs(dg.RunsFilter(job_name=keys.shard_job, statuses=[dg.DagsterRunStatus.STARTED]))
+            return next((r for r in runs if started_steps(instance, r.run_id)), None)
+
+        run = wait_until(building_run, RUN_TIMEOUT, "the sensor's shard run to start its first step", interval=0.1,
+                         detail=dagster_deployment.report)  # fmt: skip
+        assert run.tags[PARTITION_NAME_TAG] == rel and "dagster/backfill" not in run.tags
+        pid = run_worker_pid(instance, run.run_id)
+        assert pid in dagster_deployment.code_server_processes(), "the run worker is a child of the code server"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        failed = wait_until(lambda: (r := instance.get_run_by_id(run.run_id)).is_finished and r, RUN_TIMEOUT,
+                            "the killed run to be marked finished", detail=dagster_deployment.report)  # fmt: skip
+        detected = time.monotonic() - killed
+        retry_filter = dg.RunsFilter(tags={"dagster/parent_run_id": run.run_id})
+        retry = wait_until(lambda: next((r for r in instance.get_runs(retry_filter) if r.is_finished), None),
+                           RUN_TIMEOUT, "the retry of the killed run to finish", detail=dagster_deployment.report)  # fmt: skip
+        retried = time.monotonic() - killed
+        print(f"\nkilled run: marked failed after {detected:.1f} s, retry finished after {retried:.1f} s")
+
+        # Killed inside its first step (the resize): nothing was materialised; the code server saw the SIGKILL.
+        assert failed.status == dg.DagsterRunStatus.FAILURE
+        assert started_steps(instance, run.run_id)
+        assert not instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION)
+        assert any("SIGKILL" in m for m in engine_messages(instance, run.run_id)), engine_messages(instance, run.run_id)
+        # One retry, and it succeeded; no other run of the shard.
+        assert retry.status == dg.DagsterRunStatus.SUCCESS, engine_messages(instance, retry.run_id)
+        assert retry.tags["dagster/retry_number"] == "1" and retry.tags[PARTITION_NAME_TAG] == rel
+        assert {r.run_id for r in instance.get_runs(dg.RunsFilter(job_name=keys.shard_job))} == {
+            run.run_id,
+            retry.run_id,
+        }
+        # Built once, by the retry; the verifiers ran in it too (an automation run may verify again).
+        dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)
+        for key in output_asset_keys("slow"):
+            assert built_by(instance, key, rel) == [retry.run_id], key.to_user_string()
+        for key in shard_asset_keys("slow"):
+            assert retry.run_id in [m.run_id for m in materializations(instance, key, rel)], key.to_user_string()
+        assert_shards_complete(instance, config, {"slow": [rel]})
+        assert_outputs_whole(config.dataset("slow"), [rel])
+
+
+def test_a_killed_daemon_restarts_and_the_backfill_finishes(dagster_deployment, tmp_path):
+    """SIGKILL the daemon's process group while a backfill has runs in progress and runs queued, then
+    start it again: the backfill finishes, each shard was built by exactly one run (never two at once,
+    none submitted twice, none skipped), with all its checks."""
+    shards = [f"part-{i}.parquet" for i in range(4)]
+    config = datasets_config(dagster_deployment, tiny_dataset(tmp_path, "restart", shards))
+    keys = DatasetKeys("restart")
+    with dagster_deployment.instance() as instance:
+        register(instance, config)
+    (backfill,) = start_with_backfills(dagster_deployment, {keys.shard_job: shards})
+
+    with dagster_deployment.instance() as instance:
+
+        def mid_backfill() -> dict[str, dg.DagsterRunStatus] | None:
+            statuses = {r.run_id: r.status for r in instance.get_runs(dg.RunsFilter.for_backfill(backfill))}
+            busy = set(statuses.values())
+            return statuses if dg.DagsterRunStatus.STARTED in busy and dg.DagsterRunStatus.QUEUED in busy else None
+
+        at_kill = wait_until(mid_backfill, RUN_TIMEOUT, "a run in progress and a run queued", interval=0.1,
+                             detail=dagster_deployment.report)  # fmt: skip
+        dagster_deployment.kill_daemon()
+        killed_at, killed = time.time(), time.monotonic()
+        # The runs in progress live on without the daemon: their processes belong to the code server.
+        in_flight = [i for i, s in at_kill.items() if instance.get_run_by_id(i).status == dg.DagsterRunStatus.STARTED]
+        for run_id in in_flight:
+            assert run_worker_pid(instance, run_id) in dagster_deployment.code_server_processes()
+        dagster_deployment.start_daemon()
+
+        wait_until(lambda: backfill_status(instance, backfill) in BACKFILL_DONE, RUN_TIMEOUT + 60,
+                   "the backfill to finish after the restart",
+                   detail=dagster_deployment.report)  # fmt: skip
+        print(f"\nbackfill finished {time.monotonic() - killed:.1f} s after the daemon was killed")
+
+        assert backfill_status(instance, backfill) == BulkActionStatus.COMPLETED_SUCCESS
+        records = run_records(instance, tags={"dagster/backfill": backfill})
+        assert sorted(r.dagster_run.tags[PARTITION_NAME_TAG] for r in records) == shards  # one run each
+        assert {r.dagster_run.status for r in records} == {dg.DagsterRunStatus.SUCCESS}
+        # The runs in flight finished after the daemon's death; the queued ones waited for the new daemon.
+        by_id = {r.dagster_run.run_id: r for r in records}
+        assert all(by_id[run_id].end_time > killed_at for run_id in in_flight)
+        assert all(by_id[i].start_time > killed_at for i, s in at_kill.items() if s == dg.DagsterRunStatus.QUEUED)
+        assert_no_partition_built_twice_at_once(run_records(instance, job_name=keys.shard_job))
+        dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)
+        for record in records:
+            for key in output_asset_keys("restart"):
+                rel = record.dagster_run.tags[PARTITION_NAME_TAG]
+                assert built_by(instance, key, rel) == [record.dagster_run.run_id], (key.to_user_string(), rel)
+        assert_shards_complete(instance, config, {"restart": shards})
+        assert_outputs_whole(config.dataset("restart"), shards)
