@@ -10,7 +10,6 @@ after it was written fails the read that meets it, and the error names the colum
 """
 
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 
 import pyarrow as pa
@@ -141,5 +140,7 @@ def source_fingerprint(location: Location, rel: str, parquet_file: pq.ParquetFil
     if stamp is None:
         raise ShardError(f"main shard {location.child(rel)} is missing")
     metadata = (parquet_file or open_shard(location, rel, "main")).metadata
-    footer = json.dumps(metadata.to_dict(), sort_keys=True, default=str).encode()
+    # The footer's own bytes, as pickling serialises them: never decoded (statistics of keys that
+    # are not UTF-8 would fail `to_dict()`), and not read a second time.
+    footer = metadata.__reduce__()[1][0]
     return f"{stamp}:{metadata.num_rows}:{hashlib.sha256(footer).hexdigest()[:16]}"
