@@ -44,11 +44,11 @@ BACKFILL_DONE = {BulkActionStatus.COMPLETED_SUCCESS, BulkActionStatus.COMPLETED_
 
 
 def tiny_dataset(root: Path, name: str, shards: list[str], rows: int = 7, sizes=TINY_SIZES, **extra) -> dict:
-    """A main dataset of `shards` under `root` and its datasets-file entry (one resize thread)."""
+    """A main dataset of `shards` under `root` and its datasets-file entry (one resize thread, and
+    one shard per run: these tests follow single shards through runs, retries and limits)."""
     write_sample_dataset(root / "main" / name, shards=shards, rows_per_shard=rows, row_group_size=4, sizes=sizes)
-    return dataset_entry(
-        name, Location.parse(root / "main" / name), Location.parse(root / "out"), threads_per_shard=1, **extra
-    )
+    settings = {"threads_per_shard": 1, "shards_per_run": 1, **extra}
+    return dataset_entry(name, Location.parse(root / "main" / name), Location.parse(root / "out"), **settings)
 
 
 def datasets_config(deployment, *entries: dict) -> SidecarConfig:
