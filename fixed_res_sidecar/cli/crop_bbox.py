@@ -9,6 +9,7 @@ storage kept failing (after retries) fails naming the object it could not read, 
 import argparse
 import functools
 import sys
+from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
     check_positive,
@@ -25,6 +26,7 @@ from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.runner import Progress, RunSummary, run_shards
+from fixed_res_sidecar.shards.settings import SOURCES
 from fixed_res_sidecar.shards.verify import VerifyOptions, require_verified
 
 
@@ -143,6 +145,11 @@ def format_summary(summary: RunSummary) -> str:
         for name in RESOLUTIONS:
             totals = {field: sum(r.counts[name][field] for r in built) for field in built[0].counts[name]}
             lines.append(f"  {name} (built shards): " + ", ".join(f"{field} {n}" for field, n in totals.items()))
+    # A sidecar shard's sources are its main (or caption) shard and both resized shards.
+    reasons = Counter("sources changed" if r.reason == SOURCES else r.reason for r in built if r.reason)
+    if reasons:  # with --skip-existing: why shards that existed were built again
+        lines.append("  rebuilt shards: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
+    lines.append(f"  rebuilt because their sources changed: {reasons['sources changed']} shard(s)")
     for rel, reason in sorted(summary.failures.items()):
         lines.append(f"  FAILED {rel}: {reason}")
     return "\n".join(lines)

@@ -43,6 +43,7 @@ from fixed_res_sidecar.defs.checks import (
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import (
     VERIFIED_FINGERPRINT,
+    built_from_main,
     latest_materialization,
     recorded_results,
     unverified_resized_problems,
@@ -59,6 +60,7 @@ from fixed_res_sidecar.shards.pipeline import (
     outputs_up_to_date,
     run_stages,
 )
+from fixed_res_sidecar.shards.resize import RESIZE_OUTPUT_VERSION
 from fixed_res_sidecar.shards.runner import Progress, run_shards
 
 # crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
@@ -68,6 +70,8 @@ CROP_BBOX_CONDITION = (
 ).with_label("eager, once the verifiers' blocking checks passed")
 # A verifier re-runs after its resized shard was rebuilt in a run that did not verify it.
 VERIFY_CONDITION = dg.AutomationCondition.eager()
+# The resized assets' code version: the UI marks shards built by another version Unsynced.
+RESIZE_CODE_VERSION = str(RESIZE_OUTPUT_VERSION)
 
 
 def main_spec(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetSpec:
@@ -98,6 +102,7 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
             ),
             metadata={"uri": dg.MetadataValue.path(layout.resized[r].location.uri)},
             kinds={"parquet", dataset.output_format},
+            code_version=RESIZE_CODE_VERSION,
             **common,
         )
         for r in RESOLUTIONS
@@ -230,6 +235,10 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
     if outcome.resize_problem:
         context.log.error(f"{rel}: not resized: {outcome.resize_problem}")
     if outcome.resized is not None:
+        main_fingerprint = outcome.resized.sources.get("main")
+        provenance = (
+            built_from_main(instance, keys, rel, main_fingerprint, RESIZE_CODE_VERSION) if main_fingerprint else None
+        )
         for resolution, summary in zip(stages.resize, outcome.resized.outputs):
             metadata = {
                 **_shard_metadata(layout.resized[resolution].location, rel),
@@ -242,7 +251,9 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
                 metadata["invalid"] = dg.MetadataValue.int(sum(summary.error_counts.values()))
                 for code in ERROR_CODES:
                     metadata[f"invalid_{code}"] = dg.MetadataValue.int(summary.error_counts.get(code, 0))
-            yield dg.AssetMaterialization(asset_key=keys.resized(resolution), partition=rel, metadata=metadata)
+            yield dg.AssetMaterialization(
+                asset_key=keys.resized(resolution), partition=rel, metadata=metadata, tags=provenance
+            )
     for resolution, report in outcome.reports.items():
         failed = [c.name for c in report.failed_checks]
         context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
+from dagster._core.definitions.data_version import (
+    CODE_VERSION_TAG,
+    NULL_EVENT_POINTER,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
 
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
@@ -33,6 +39,25 @@ def save_state(instance: dg.DagsterInstance, key: str, value: Any) -> None:
     a few megabytes of JSON, a few hundred kilobytes stored)."""
     raw = json.dumps(value, separators=(",", ":")).encode()
     instance.run_storage.set_cursor_values({key: base64.b64encode(zlib.compress(raw, 6)).decode("ascii")})
+
+
+def built_from_main(
+    instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, main_fingerprint: str, code_version: str
+) -> dict[str, str]:
+    """Data provenance tags for an output built from main's shard `rel` at `main_fingerprint`.
+
+    Dagster adds these to the outputs of an asset's own step; a batch step records its shards with
+    explicit materializations, so it adds them itself. With them the UI marks the output Unsynced
+    once the discovery sensor records another version of that shard (an observation after the
+    pointer: main's latest record for the shard when this was built).
+    """
+    records = [instance.get_latest_data_version_record(keys.main, is_source, rel) for is_source in (True, False)]
+    pointer = max((record.storage_id for record in records if record is not None), default=None)
+    return {
+        CODE_VERSION_TAG: code_version,
+        get_input_data_version_tag(keys.main): main_fingerprint,
+        get_input_event_pointer_tag(keys.main): NULL_EVENT_POINTER if pointer is None else str(pointer),
+    }
 
 
 def latest_materialization(instance: dg.DagsterInstance, key: dg.AssetKey, rel: str) -> dg.EventLogRecord | None:

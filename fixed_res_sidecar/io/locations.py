@@ -221,22 +221,33 @@ class Location:
         return {} if self.is_s3 else self._walk_local(suffix)[1]
 
     def _walk_local(self, suffix: str, start_after: str | None = None) -> tuple[list["ShardEntry"], dict[str, str]]:
-        """(sorted entries of shards, rel -> target of symlinks not followed)."""
-        root = Path(self.path)
+        """(sorted entries of shards, rel -> target of symlinks not followed), after `start_after`.
+
+        Hidden folders are skipped; a folder whose every path sorts at or before `start_after` is
+        not read at all, so a tick that resumes late in a large dataset does not walk it whole.
+        """
         found, links = [], {}
-        for folder, dirs, files in os.walk(root):  # os.walk never descends into a symlinked folder
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in [*dirs, *files]:
-                path = Path(folder, name)
-                rel = path.relative_to(root).as_posix()
-                if path.is_symlink():
-                    if name in dirs or _is_shard(rel, suffix):
-                        links[rel] = os.readlink(path)
+        folders = [""]
+        while folders:
+            folder = folders.pop()
+            try:
+                entries = list(os.scandir(os.path.join(self.path, folder)))
+            except OSError:  # vanished or unreadable meanwhile: as os.walk, list what can be listed
+                continue
+            for entry in entries:
+                rel = f"{folder}/{entry.name}" if folder else entry.name
+                is_dir = entry.is_dir()  # a link to a folder counts as a folder, as os.walk sees it
+                if is_dir and entry.name.startswith("."):
                     continue
-                if name in files and _is_shard(rel, suffix) and (start_after is None or rel > start_after):
-                    stat = path.stat()
+                if entry.is_symlink():  # never followed
+                    if is_dir or _is_shard(rel, suffix):
+                        links[rel] = os.readlink(entry.path)
+                elif is_dir:
+                    if start_after is None or not _sorts_before(rel + "/", start_after):
+                        folders.append(rel)
+                elif _is_shard(rel, suffix) and (start_after is None or rel > start_after):
+                    stat = entry.stat(follow_symlinks=False)
                     found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
-            dirs[:] = [d for d in dirs if not Path(folder, d).is_symlink()]
         found.sort()
         return found, dict(sorted(links.items()))
 
@@ -650,6 +661,11 @@ def _storage_errors(items: Iterable, what: str) -> Iterator:
         yield from items
     except (BotoCoreError, ClientError) as exc:
         raise StorageError(f"storage failed {what}: {describe_exception(exc, 300)}") from exc
+
+
+def _sorts_before(prefix: str, key: str) -> bool:
+    """Whether every path starting with `prefix` sorts at or before `key`."""
+    return prefix < key and not key.startswith(prefix)
 
 
 def _is_shard(rel: str, suffix: str) -> bool:

@@ -81,6 +81,7 @@ class ShardResult:
     rows: int
     outputs: list[OutputSummary]
     seconds: float
+    sources: dict[str, Any] = field(default_factory=dict)  # the fingerprints its outputs record (settings.py)
 
     @property
     def built(self) -> bool:
@@ -142,7 +143,7 @@ def build_resized_shard(
     if todo:
         budget = MemoryBudget(decode_budget_bytes(memory_gb))
         _build(source, layout, rel, todo, settings, sources, summaries, options, threads, budget, on_rows)
-    return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started)
+    return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started, sources)
 
 
 def decode_budget_bytes(memory_gb: float) -> int:

@@ -19,7 +19,14 @@ from fixed_res_sidecar.io.locations import Location, s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.shards.verify.report import sample_rows
-from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, SLOW_ROWS, SLOW_SHARDS, damage_value, tree_snapshot
+from fixed_res_sidecar_tests.fixtures.datasets import (
+    SHARDS,
+    SLOW_ROWS,
+    SLOW_SHARDS,
+    damage_value,
+    recrawl_main_shard,
+    tree_snapshot,
+)
 from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 from fixed_res_sidecar_tests.fixtures.slow_link import slow_uplink
 
@@ -184,6 +191,54 @@ def test_skip_existing_rebuilds_a_damaged_shard_and_only_it(sample_build):
     assert damaged.read_bytes() == intact  # the build is deterministic
     assert {path: (path.read_bytes(), path.stat().st_mtime_ns) for path in others} == others
     assert sidecar_ops(*verify).returncode == 0
+
+
+def test_skip_existing_rebuilds_what_main_changed_and_the_verifiers_call_the_old_outputs_stale(sidecar_build):
+    """A main shard re-crawled (other images, same keys, captions and row count): both verifiers
+    fail its outputs as stale, naming the shard; `--skip-existing` rebuilds that shard's outputs
+    and only them, saying why; then everything verifies."""
+    build = sidecar_build
+    rel = "nested/a/part-00001.parquet"
+    outputs = {"512": build.r512, "1024": build.r1024, "sidecar": build.sidecar}
+    before = {name: tree_snapshot(location.path) for name, location in outputs.items()}
+    recrawl_main_shard(build.main, rel)
+    common = ["--main-prefix", build.main.uri, "--key-column", "image_key"]
+    resized = [*common, "--resized-512-prefix", build.r512.uri, "--resized-1024-prefix", build.r1024.uri]
+    verify = {
+        resolution: ["verify-resized", *common, "--output-prefix", build.resized(resolution).uri,
+                     "--audit-prefix", build.prefixes[resolution]]
+        for resolution in ("512", "1024")
+    }  # fmt: skip
+    verify["sidecar"] = ["verify-crop-bbox", *resized, "--sidecar-prefix", build.sidecar.uri]
+
+    for name, args in verify.items():
+        failed = sidecar_ops(*args)
+        assert failed.returncode == 1, (name, failed.stdout)
+        stale = [line for line in failed.stdout.splitlines() if "is stale" in line]
+        assert len(stale) == 1 and f"on {rel}: " in stale[0], (name, failed.stdout)
+        assert "built from another version of main" in stale[0]
+
+    rebuilt = sidecar_ops(
+        "build-both", "--main-prefix", build.main.uri, "--skip-existing",
+        "--output-prefix-512", build.r512.uri, "--output-prefix-1024", build.r1024.uri,
+    )  # fmt: skip
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "shards: 3 total, 1 built, 2 skipped, 0 failed" in rebuilt.stdout
+    assert "rebuilt outputs: 2 main changed" in rebuilt.stdout
+    assert "rebuilt because main changed: 1 shard(s)" in rebuilt.stdout
+    # The sidecar was made from the old resized shards too: still stale until it is rebuilt.
+    assert sidecar_ops(*verify["sidecar"]).returncode == 1
+    cropped = sidecar_ops("build-crop-bbox", *resized, "--output-prefix", build.sidecar.uri, "--skip-existing")
+    assert cropped.returncode == 0, cropped.stderr
+    assert "crop-bbox shards: 3 total, 1 built, 2 skipped, 0 failed" in cropped.stdout
+    assert "rebuilt because their sources changed: 1 shard(s)" in cropped.stdout
+
+    for name, location in outputs.items():  # that shard, and only it, was written again
+        after = tree_snapshot(location.path)
+        assert {k for k in after if after[k] != before[name].get(k)} == {rel}, name
+    for name, args in verify.items():
+        passed = sidecar_ops(*args)
+        assert passed.returncode == 0, (name, passed.stdout)
 
 
 # -- stopping: a killed or terminated command leaves no process, temporary, upload or partial shard --

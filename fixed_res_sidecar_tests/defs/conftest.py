@@ -91,6 +91,17 @@ def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection
     )
 
 
+def run_request(defs: dg.Definitions, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
+    """Execute a sensor's run request in process, as the daemon would launch it (its partition or range tags)."""
+    return defs.resolve_job_def(request.job_name).execute_in_process(
+        instance=instance,
+        partition_key=request.partition_key,
+        tags=request.tags,
+        run_config=QUIET,
+        raise_on_error=False,
+    )
+
+
 def check_partition_status(instance, check_keys, rels) -> dict[tuple[str, str | None], str]:
     infos = instance.event_log_storage.get_asset_check_partition_info(list(check_keys), partition_keys=list(rels))
     return {(i.check_key.to_user_string(), i.partition_key): i.latest_execution_status.value for i in infos}

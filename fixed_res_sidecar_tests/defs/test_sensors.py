@@ -1,31 +1,45 @@
-"""The discovery sensor: only new shards become partitions, across ticks, in bounded ticks, with runs."""
+"""The discovery sensor: new shards become partitions, across ticks, in bounded ticks, with runs;
+changed shards are rebuilt and removed ones reported."""
 
 import json
+import os
+from pathlib import Path
 
 import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
+from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster._time import get_current_datetime
 
-from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.sensors import (
+    REMOVED,
+    STATE_KEY,
     ShardCursor,
     automation_sensor,
     discover_shards,
     discovery_sensor,
     discovery_tick,
+    load_seen,
+    save_seen,
 )
 from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar_tests.defs.conftest import (
+    QUIET,
     TINY_ROWS,
     TINY_SHARDS,
     dataset_entry,
     make_config,
+    run_request,
     write_tiny,
 )
+from fixed_res_sidecar_tests.fixtures.datasets import recrawl_main_shard, tree_snapshot
 
 
 def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None) -> dg.SensorResult:
@@ -188,3 +202,102 @@ def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
 @pytest.mark.parametrize("text", [None, "", "garbage", "[1, 2]", '{"after": "x", "passes": "many"}'])
 def test_unreadable_cursor_starts_a_fresh_listing(text):
     assert ShardCursor.parse(text) == ShardCursor()
+
+
+# -- main evolves: a rewritten shard is rebuilt, a removed one leaves orphans -----------------------
+
+
+def stale_status(defs: dg.Definitions, instance, key: dg.AssetKey, rel: str) -> StaleStatus:
+    """What the UI shows for one partition (Unsynced is STALE), from a fresh resolver as the webserver builds it."""
+    graph = defs.resolve_asset_graph()
+    view = AssetGraphView(
+        temporal_context=TemporalContext(effective_dt=get_current_datetime(), last_event_id=None),
+        instance=instance,
+        asset_graph=graph,
+    )
+    return CachingStaleStatusResolver(instance, graph, loading_context=view).get_status(key, rel)
+
+
+def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cropped(tiny_main, tmp_path, instance):
+    """Sensor tick -> the shard's outputs are unsynced -> the requested run rebuilds, verifies and
+    crops that shard alone -> in sync again; then a removed shard leaves its outputs, and the audit
+    warns naming it."""
+    config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out"))
+    dataset, keys, defs = config.datasets[0], DatasetKeys("tiny"), build_definitions(config)
+    sensor = discovery_sensor(dataset)
+    first = tick(sensor, instance, None)
+    apply_sensor_result(instance, first)
+    assert all(run_request(defs, instance, request).success for request in first.run_requests)
+    changed, other = "part-a.parquet", "nested/x/part-b.parquet"
+    outputs = [dataset.output(name) for name in ("resized_512", "resized_1024", "crop_bbox")]
+    before = [tree_snapshot(location.path) for location in outputs]
+    resized = [keys.resized(resolution) for resolution in RESOLUTIONS]
+    assert {stale_status(defs, instance, key, changed) for key in resized} == {StaleStatus.FRESH}
+
+    recrawl_main_shard(tiny_main, changed)
+    second = tick(sensor, instance, first.cursor)
+    assert requested(second) == [changed] and not second.dynamic_partitions_requests
+    apply_sensor_result(instance, second)
+    for key in resized:
+        assert stale_status(defs, instance, key, changed) == StaleStatus.STALE, key.to_user_string()
+        assert stale_status(defs, instance, key, other) == StaleStatus.FRESH, key.to_user_string()
+
+    (request,) = second.run_requests
+    result = run_request(defs, instance, request)
+    assert result.success
+    built = {
+        (event.asset_key, event.partition): event.materialization.metadata["status"].value
+        for event in result.get_asset_materialization_events()
+        if event.asset_key in [*resized, keys.crop_bbox]
+    }
+    assert {built[(key, changed)] for key in [*resized, keys.crop_bbox]} == {"built"}
+    checks = [e for e in result.get_asset_check_evaluations() if e.partition == changed]
+    assert checks and all(e.passed for e in checks), [e.check_name for e in checks if not e.passed]
+    assert {stale_status(defs, instance, key, changed) for key in resized} == {StaleStatus.FRESH}
+    for location, old in zip(outputs, before):  # that shard, and only it, was written again
+        new = tree_snapshot(location.path)
+        assert {rel for rel in new if new[rel] != old.get(rel)} == {changed}, location.uri
+
+    # Removed from main: recorded, its outputs kept, and the audit warns naming it.
+    Path(tiny_main.child(other)).unlink()
+    third = tick(sensor, instance, second.cursor)
+    assert not third.run_requests
+    (removed,) = third.asset_events
+    assert removed.partition == other and removed.metadata[REMOVED].value is True
+    apply_sensor_result(instance, third)
+    assert all(location.exists(other) for location in outputs)
+    audit = defs.resolve_job_def(keys.audit_job).execute_in_process(instance=instance, run_config=QUIET)
+    (evaluation,) = audit.get_asset_check_evaluations()
+    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
+    assert "1 shard(s) removed from main, their outputs kept" in evaluation.description
+    assert other in evaluation.description and changed not in evaluation.description
+
+
+def test_100k_shards_are_taken_in_bounded_ticks_and_one_change_or_removal_among_them_is_found(tmp_path, instance):
+    """The listing state of 100,000 shards: taken at most `max_new` per tick, kept in one small
+    key-value row, and a later pass finds the one rewritten shard and the one removed shard."""
+    root = tmp_path / "main"
+    rels = [f"{i // 1000:03d}/part-{i:06d}.parquet" for i in range(100_000)]
+    for folder in sorted({rel.split("/")[0] for rel in rels}):
+        (root / folder).mkdir(parents=True)
+    for rel in rels:  # empty files: listing only, no footer is read for shards that did not change
+        os.close(os.open(root / rel, os.O_CREAT | os.O_WRONLY, 0o644))
+    main = Location.parse(root)
+
+    known, seen, cursor, ticks, complete = [], {}, None, [], False
+    while not complete:
+        found = discover_shards(main, set(known), cursor, max_new=20_000, seen=seen)
+        known, seen, cursor, complete = known + found.new, found.seen, found.cursor, found.complete
+        ticks.append(len(found.new))
+    assert ticks == [20_000] * 5 + [0] and known == rels  # the last tick finds the end of the listing
+    save_seen(instance, "big", seen)
+    stored = instance.run_storage.get_cursor_values({STATE_KEY.format(dataset="big")})
+    assert len(next(iter(stored.values()))) < 2_000_000  # one row of under 2 MB
+    assert load_seen(instance, "big") == seen
+
+    changed, removed = rels[54_321], rels[7]
+    (root / changed).write_bytes(b"rewritten")
+    (root / removed).unlink()
+    found = discover_shards(main, set(known), cursor, max_new=2000, seen=load_seen(instance, "big"))
+    assert (found.new, found.changed, found.removed) == ([], [changed], [removed])
+    assert found.complete and found.examined == len(rels) - 1

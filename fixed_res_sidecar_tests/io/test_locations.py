@@ -197,6 +197,23 @@ def test_a_write_removes_temporaries_crashed_writers_left_long_ago(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".b.parquet.111111111111.tmp", "b.parquet"]
 
 
+RESUME_ORDER = ["a-b.parquet", "a/x.parquet", "a/y/z.parquet", "a0.parquet", "b/c/d.parquet", "b/e.parquet"]
+
+
+@pytest.mark.parametrize("start_after", [None, *RESUME_ORDER, "a/", "a/y", "b/c/", "zzz"])
+def test_a_resumed_listing_is_the_same_locally_and_on_s3(tmp_path, s3_bucket, start_after):
+    """Key order, not folder order ("a-b" sorts before "a/"): a local listing that resumes (and
+    skips the folders entirely before the resume point) lists what S3's StartAfter lists."""
+    local, s3 = Location.parse(tmp_path / "main"), Location.parse(f"s3://{s3_bucket}/main")
+    for rel in RESUME_ORDER:
+        local.write_bytes(rel, b"x")
+        s3.write_bytes(rel, b"x")
+    expected = [rel for rel in RESUME_ORDER if start_after is None or rel > start_after]
+    for location in (local, s3):
+        pages = location.iter_shard_pages(page_size=2, start_after=start_after)
+        assert [rel for page in pages for rel in page] == expected, location.uri
+
+
 def test_s3_round_trip(s3_bucket):
     location = Location.parse(f"s3://{s3_bucket}/data/main")
     table = pa.table({"k": ["a", "b"]})
