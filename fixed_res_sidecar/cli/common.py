@@ -4,7 +4,8 @@ import sys
 from collections.abc import Iterable
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.io.locations import Cleanup, Location, remove_temp_dir_leftovers
+from fixed_res_sidecar.io.leftovers import Cleanup, remove_temp_dir_leftovers
+from fixed_res_sidecar.io.locations import Location
 
 SYMLINKS_LISTED = 20
 STORAGE_FAILED = 3  # exit status: storage kept failing, nothing was decided about the data; rerun

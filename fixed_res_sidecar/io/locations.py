@@ -2,69 +2,47 @@
 
 Reads go through pyarrow's filesystem (random access, so Parquet is streamed by row
 group); listing and uploads go through boto3 (paginated listing, and an upload that
-either completes or leaves nothing). Both take S3 settings from the standard AWS chain,
-`AWS_ENDPOINT_URL` included, and retry transient errors with backoff; S3 reads also retry
-the one transient error pyarrow's client does not (io/retry.py). Reading or listing that
-still fails raises `StorageError`.
-
-Leftovers. A write that is interrupted (an exception, Ctrl-C, SIGTERM) removes its temporary
-and aborts its multipart upload on the way out. A writer killed outright (SIGKILL, out of
-memory) cannot; what it leaves carries its name (`<machine>-<pid>`, the machine being this
-kernel boot and pid namespace), so a later writer on the same machine removes it as soon as
-that pid is gone, and any writer once it is older than `STALE_TEMPORARY_SECONDS`:
-`Location.remove_leftovers` (a whole output, at the start of a command) and
-`remove_temp_dir_leftovers` (the S3 staging folders in TMPDIR), and each write beside its own file.
+either completes or leaves nothing: io/uploads.py). Both take S3 settings from the standard
+AWS chain, `AWS_ENDPOINT_URL` included, and retry transient errors with backoff (io/s3.py);
+S3 reads also retry the one transient error pyarrow's client does not (io/retry.py). Reading
+or listing that still fails raises `StorageError`. What interrupted writes leave, and how it
+is removed: io/leftovers.py.
 """
 
 import contextlib
-import functools
-import hashlib
-import json
 import os
-import re
 import shutil
-import socket
-import stat
 import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
-from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.io.leftovers import (
+    STALE_TEMPORARY_SECONDS,
+    TEMP_DIR_PREFIX,
+    TEMPORARY_NAME,
+    UPLOAD_RECORD_SUFFIX,
+    Cleanup,
+    abort_stale_uploads,
+    remove_local_leftovers,
+    remove_stale_file,
+    remove_temp_dir_leftovers,
+    writer_tag,
+)
 from fixed_res_sidecar.io.retry import RetryingFile, RetryPolicy, StorageError
+from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client, s3_filesystem
+from fixed_res_sidecar.io.uploads import upload_file
 
 SHARD_SUFFIX = ".parquet"
-OUTPUT_SUFFIXES = (".parquet", ".json", ".png")  # what the commands write: shards, reports, overlays
-S3_MAX_ATTEMPTS = 10
 S3_READ_RETRY = RetryPolicy(S3_MAX_ATTEMPTS)  # the same attempts and backoff as boto3's standard mode
-# A leftover whose writer is not known to be dead is removed once it has not changed for this
-# long (local temporaries, TMPDIR staging folders) or was initiated this long ago (incomplete
-# multipart uploads): far longer than writing or uploading one shard takes.
-STALE_TEMPORARY_SECONDS = 6 * 3600
-# An S3 write of this size or more is one multipart upload of parts this size (S3's minimum
-# part is 5 MiB, its maximum part count 10,000), a few parts at a time; smaller, one PUT.
-MULTIPART_THRESHOLD_BYTES = 8 * 2**20
-MULTIPART_PART_BYTES = 8 * 2**20
-MULTIPART_MAX_PARTS = 10_000
-MULTIPART_THREADS = 4
-PART_LANDING_SECONDS = 2.0  # on failure, how long parts already on their way may take before the abort
-TEMP_DIR_PREFIX = "sidecar-"  # S3 writes stage their file in TMPDIR/sidecar-<machine>-<pid>-<random>/
-UPLOAD_RECORD_SUFFIX = ".multipart-upload.json"  # beside the staged file while its upload is open
-
-# `.<name>.<machine>-<pid>-<random>.tmp`; `.<name>.<12 hex>.tmp` from versions that did not name the writer.
-_TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.(?:(?P<machine>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}|[0-9a-f]{12})\.tmp")
-# `sidecar-<machine>-<pid>-<mkdtemp's 8>`; `sidecar-<mkdtemp's 8>` from versions that did not name the writer.
-_TEMP_DIR_NAME = re.compile(r"sidecar-(?:(?P<machine>[0-9a-f]{8})-(?P<pid>\d+)-[a-z0-9_]{8}|[a-z0-9_]{8})")
 
 
 class ShardEntry(NamedTuple):
@@ -85,18 +63,6 @@ def _s3_stamp(size: int, etag: str) -> str:
 
 class LocationError(ValueError):
     """A location that must not be used the way it was asked to be."""
-
-
-@dataclass
-class Cleanup:
-    """What a sweep for leftovers of interrupted writes removed, and what it had to leave."""
-
-    removed: list[str] = field(default_factory=list)  # paths, and uploads as `s3://bucket/key (upload ID)`
-    problems: list[str] = field(default_factory=list)  # what could not be removed, and why
-
-    def add(self, other: "Cleanup") -> None:
-        self.removed += other.removed
-        self.problems += other.problems
 
 
 @dataclass(frozen=True)
@@ -323,7 +289,7 @@ class Location:
         name. S3: a file staged in TMPDIR, uploaded with one PUT or one completed
         multipart upload. On error (Ctrl-C and SIGTERM included) the temporary is removed
         and the upload aborted; after a crash, nothing appears at the final name and a
-        later write removes what is left (see the module's docstring).
+        later write removes what is left (see io/leftovers.py).
 
         Nothing is written at, inside or above a `protect` location: the check compares the
         locations, and locally also the real path of every file and folder this creates or
@@ -341,7 +307,7 @@ class Location:
         final.parent.mkdir(parents=True, exist_ok=True)
         _refuse_protected_real_path(final, protect)  # a link may have appeared meanwhile
         self.remove_stale_temporaries(rel, older_than=STALE_TEMPORARY_SECONDS)
-        tmp = final.with_name(f".{final.name}.{_writer_tag()}-{uuid.uuid4().hex[:8]}.tmp")
+        tmp = final.with_name(f".{final.name}.{writer_tag()}-{uuid.uuid4().hex[:8]}.tmp")
         try:
             yield str(tmp)
             _refuse_protected_real_path(final, protect)
@@ -354,50 +320,16 @@ class Location:
         # Leftovers of writers killed on this machine. Best effort: a write never fails for someone else's.
         with contextlib.suppress(Exception):
             remove_temp_dir_leftovers()
-        tmp_dir = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{_writer_tag()}-")
+        tmp_dir = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{writer_tag()}-")
         tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
         try:
             yield tmp
-            self._upload(tmp, key)
+            upload_file(s3_client(), tmp, self.bucket, key)
         finally:
             if os.path.exists(tmp + UPLOAD_RECORD_SUFFIX):  # an upload that could not be aborted: keep its record
                 Path(tmp).unlink(missing_ok=True)
             else:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
-
-    def _upload(self, path: str, key: str) -> None:
-        """Publish the file at `path` as `key`: one PUT, or one multipart upload, completed or aborted."""
-        client = s3_client()
-        size = os.path.getsize(path)
-        if size < MULTIPART_THRESHOLD_BYTES:
-            with open(path, "rb") as body:
-                client.put_object(Bucket=self.bucket, Key=key, Body=body)
-            return
-        # Stale uploads of this very key (best effort: listing uploads may not be allowed).
-        with contextlib.suppress(Exception):
-            self._abort_stale_uploads(key, STALE_TEMPORARY_SECONDS, exact=True)
-        # As boto3's own transfers do: CRC32 part checksums unless the AWS config says "when_required".
-        checksum = {"ChecksumAlgorithm": "CRC32"} if _checksums_by_default(client) else {}
-        upload_id = client.create_multipart_upload(Bucket=self.bucket, Key=key, **checksum)["UploadId"]
-        record = Path(path + UPLOAD_RECORD_SUFFIX)
-        pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
-        parts: list[Future] = []
-        try:
-            # If this process is killed, a later run on this machine finds the record and aborts the upload.
-            record.write_text(json.dumps({"bucket": self.bucket, "key": key, "upload_id": upload_id}))
-            part_bytes = max(MULTIPART_PART_BYTES, -(-size // MULTIPART_MAX_PARTS))
-            send = functools.partial(_upload_part, client, path, part_bytes, self.bucket, key, upload_id, checksum)
-            parts = [pool.submit(send, number) for number in range(1, -(-size // part_bytes) + 1)]
-            client.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [p.result() for p in parts]}
-            )
-        except BaseException as exc:
-            pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
-            if _abandon_upload(client, self.bucket, key, upload_id, parts, exc):
-                record.unlink(missing_ok=True)
-            raise
-        pool.shutdown()
-        record.unlink(missing_ok=True)
 
     def write_bytes(self, rel: str, data: bytes, protect: Sequence["Location"] = ()) -> None:
         with self.write_atomic(rel, protect) as tmp:
@@ -424,8 +356,8 @@ class Location:
         now = time.time()
         removed = 0
         for tmp in final.parent.glob(f".{final.name}.*.tmp") if final.parent.is_dir() else []:
-            match = _TEMPORARY_NAME.fullmatch(tmp.name)
-            if match and match["name"] == final.name and _remove_stale_file(tmp, match, now, older_than):
+            match = TEMPORARY_NAME.fullmatch(tmp.name)
+            if match and match["name"] == final.name and remove_stale_file(tmp, match, now, older_than):
                 removed += 1
         return removed
 
@@ -440,185 +372,8 @@ class Location:
         once by `remove_temp_dir_leftovers`, which knows their IDs.
         """
         if self.is_s3:
-            return self._abort_stale_uploads(f"{self.path}/" if self.path else "", older_than)
-        cleanup = Cleanup()
-        now = time.time()
-        for folder, dirs, files in os.walk(self.path):  # never descends into a symlinked folder
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                path = Path(folder, name)
-                try:
-                    if (match := _TEMPORARY_NAME.fullmatch(name)) and _remove_stale_file(path, match, now, older_than):
-                        cleanup.removed.append(str(path))
-                except OSError as exc:
-                    cleanup.problems.append(f"{path}: {describe_exception(exc, max_chars=200)}")
-        return cleanup
-
-    def _abort_stale_uploads(self, prefix: str, older_than: float, exact: bool = False) -> Cleanup:
-        """Abort incomplete uploads of output files under `prefix` (or of the key `prefix`) started
-        more than `older_than` s ago."""
-        client = s3_client()
-        cutoff = datetime.now(UTC) - timedelta(seconds=older_than)
-        cleanup = Cleanup()
-        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket, Prefix=prefix):
-            for upload in page.get("Uploads", []):
-                key, upload_id = upload["Key"], upload["UploadId"]
-                if (key == prefix if exact else key.endswith(OUTPUT_SUFFIXES)) and upload["Initiated"] <= cutoff:
-                    try:
-                        if _abort_upload(client, self.bucket, key, upload_id):
-                            cleanup.removed.append(f"s3://{self.bucket}/{key} (incomplete upload {upload_id})")
-                    except Exception as exc:  # noqa: BLE001 - reported; a later run tries again
-                        cleanup.problems.append(f"s3://{self.bucket}/{key}: {describe_exception(exc, max_chars=200)}")
-        return cleanup
-
-
-def remove_temp_dir_leftovers(older_than: float = STALE_TEMPORARY_SECONDS) -> Cleanup:
-    """Remove the TMPDIR staging folders of S3 writers that died, aborting the uploads they record.
-
-    A folder is this package's when its name is `sidecar-<machine>-<pid>-<random>`; it is removed
-    when that machine is this one and the pid is gone, or when nothing in it changed for
-    `older_than` s. Folders named `sidecar-<random>` (earlier versions) count only when they hold
-    nothing but one output file (.parquet, .json, .png), and only by age. When a recorded upload
-    cannot be aborted, its folder stays for a later run, unless it is that old.
-    """
-    cleanup = Cleanup()
-    now = time.time()
-    with os.scandir(tempfile.gettempdir()) as entries:
-        for entry in entries:
-            if not (match := _TEMP_DIR_NAME.fullmatch(entry.name)) or not entry.is_dir(follow_symlinks=False):
-                continue
-            try:
-                _remove_temp_dir(Path(entry.path), match, now, older_than, cleanup)
-            except OSError as exc:
-                cleanup.problems.append(f"{entry.path}: {describe_exception(exc, max_chars=200)}")
-    return cleanup
-
-
-def _remove_temp_dir(folder: Path, match: re.Match, now: float, older_than: float, cleanup: Cleanup) -> None:
-    files = list(folder.iterdir())
-    changed = max([folder.lstat().st_mtime, *(f.lstat().st_mtime for f in files)])
-    if match["machine"] is None and not (len(files) <= 1 and all(_is_output_file(f) for f in files)):
-        return  # an old-style name on a folder that does not look like one of ours
-    if not _writer_gone(match, changed, now, older_than):
-        return
-    for record in [f for f in files if f.name.endswith(UPLOAD_RECORD_SUFFIX)]:
-        try:
-            upload = json.loads(record.read_text())
-            if _abort_upload(s3_client(), upload["bucket"], upload["key"], upload["upload_id"]):
-                cleanup.removed.append(
-                    f"s3://{upload['bucket']}/{upload['key']} (incomplete upload {upload['upload_id']})"
-                )
-        except Exception as exc:  # noqa: BLE001 - reported; the folder stays for a later run, unless it is old
-            cleanup.problems.append(f"{record}: {describe_exception(exc, max_chars=200)}")
-            if changed > now - older_than:
-                return
-    shutil.rmtree(folder)
-    cleanup.removed.append(str(folder))
-
-
-def _is_output_file(path: Path) -> bool:
-    return stat.S_ISREG(path.lstat().st_mode) and path.name.endswith(OUTPUT_SUFFIXES)
-
-
-def _remove_stale_file(path: Path, match: re.Match, now: float, older_than: float) -> bool:
-    """Unlink `path` (a regular file named like a temporary) if its writer is gone; True if removed."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or not _writer_gone(match, info.st_mtime, now, older_than):
-            return False
-        path.unlink()
-    except FileNotFoundError:  # its writer finished, or another sweep removed it meanwhile
-        return False
-    return True
-
-
-def _writer_gone(match: re.Match, changed: float, now: float, older_than: float) -> bool:
-    """The writer named in a leftover's name is dead (same machine, pid gone), or it has not changed for `older_than` s."""
-    if match["machine"] == _machine_id() and int(match["pid"]) != os.getpid() and not _pid_alive(int(match["pid"])):
-        return True
-    return changed <= now - older_than
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs here (a zombie has exited; another process reusing the pid counts)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return text[text.rindex(")") + 2] not in "ZX"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-@functools.cache
-def _machine_id() -> str:
-    """8 hex digits for this host, kernel boot and pid namespace: where a writer's pid means that writer."""
-    parts = [socket.gethostname()]
-    with contextlib.suppress(OSError):
-        parts.append(Path("/proc/sys/kernel/random/boot_id").read_text().strip())
-    with contextlib.suppress(OSError):
-        parts.append(os.readlink("/proc/self/ns/pid"))
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
-
-
-def _writer_tag() -> str:
-    """`<machine>-<pid>`: who writes a temporary, so that a later writer can tell when it is dead."""
-    return f"{_machine_id()}-{os.getpid()}"
-
-
-def _checksums_by_default(client) -> bool:
-    return getattr(client.meta.config, "request_checksum_calculation", None) != "when_required"
-
-
-def _upload_part(
-    client, path: str, part_bytes: int, bucket: str, key: str, upload_id: str, checksum: dict, number: int
-) -> dict:
-    """Upload part `number` (from 1) of the file at `path`; its entry for completing the upload."""
-    with open(path, "rb") as f:
-        f.seek((number - 1) * part_bytes)
-        data = f.read(part_bytes)
-    response = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, **checksum)
-    part = {"PartNumber": number, "ETag": response["ETag"]}
-    if "ChecksumCRC32" in response:
-        part["ChecksumCRC32"] = response["ChecksumCRC32"]
-    return part
-
-
-def _abandon_upload(client, bucket: str, key: str, upload_id: str, parts: list[Future], error: BaseException) -> bool:
-    """Abort a multipart upload that failed with `error`; False (and a note on `error`) if that failed too."""
-    try:
-        # Parts in flight land before the abort, so it frees them too; a stopping process has only
-        # seconds, so the wait is short (a part landing after the abort fails: no such upload).
-        wait(parts, timeout=PART_LANDING_SECONDS)
-    finally:
-        try:
-            _abort_upload(client, bucket, key, upload_id)
-        except Exception as abort_error:  # noqa: BLE001 - `error` is what the caller sees; this is its note
-            error.add_note(
-                f"the incomplete upload {upload_id} of s3://{bucket}/{key} could not be aborted "
-                f"({describe_exception(abort_error, max_chars=200)}); the next run removes it"
-            )
-            return False
-    return True
-
-
-def _abort_upload(client, bucket: str, key: str, upload_id: str) -> bool:
-    """Abort an incomplete multipart upload; False when it was already gone (completed or aborted)."""
-    from botocore.exceptions import ClientError
-
-    try:
-        client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-    except ClientError as exc:
-        if exc.response.get("Error", {}).get("Code") in ("NoSuchUpload", "404"):
-            return False
-        raise
-    return True
+            return abort_stale_uploads(s3_client(), self.bucket, f"{self.path}/" if self.path else "", older_than)
+        return remove_local_leftovers(self.path, older_than)
 
 
 def check_writable(output: Location, others: Iterable[tuple[str, Location]], what: str = "output") -> None:
@@ -677,60 +432,3 @@ def _check_rel(rel: str) -> str:
     if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise LocationError(f"{rel!r} is not a relative shard path")
     return rel
-
-
-# -- S3 clients: one per process and endpoint settings --------------------------------
-
-
-def _aws_settings() -> tuple[str | None, str | None, str | None]:
-    """The settings that change which client is right (the cache key of the clients)."""
-    return (
-        os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"),
-        os.environ.get("AWS_PROFILE"),
-        os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
-    )
-
-
-def s3_client():
-    return _s3_client(*_aws_settings())
-
-
-def s3_filesystem() -> pafs.S3FileSystem:
-    return _s3_filesystem(*_aws_settings())
-
-
-# Credentials of these kinds never change, so pyarrow may hold a copy; others (assumed roles,
-# instance profiles, SSO) expire and are left to pyarrow's own AWS chain, which refreshes them.
-STATIC_CREDENTIAL_METHODS = {"explicit", "env", "shared-credentials-file", "config-file"}
-
-
-@functools.lru_cache(maxsize=8)
-def _s3_client(endpoint: str | None, profile: str | None, region: str | None):
-    import boto3
-    from botocore.config import Config
-
-    # boto3 reads AWS_ENDPOINT_URL, the region and the profile's endpoint_url itself.
-    session = boto3.session.Session(profile_name=profile)
-    config = Config(retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"})
-    return session.client("s3", config=config)
-
-
-@functools.lru_cache(maxsize=8)
-def _s3_filesystem(endpoint: str | None, profile: str | None, region: str | None) -> pafs.S3FileSystem:
-    import boto3
-
-    client = _s3_client(endpoint, profile, region)
-    endpoint_url = client.meta.endpoint_url
-    kwargs = {
-        "region": client.meta.region_name or "us-east-1",
-        "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=S3_MAX_ATTEMPTS),
-    }
-    credentials = boto3.session.Session(profile_name=profile).get_credentials()
-    if credentials is not None and credentials.method in STATIC_CREDENTIAL_METHODS:
-        frozen = credentials.get_frozen_credentials()
-        kwargs.update(access_key=frozen.access_key, secret_key=frozen.secret_key, session_token=frozen.token)
-    if not (urlparse(endpoint_url).hostname or "").endswith("amazonaws.com"):
-        # A custom endpoint (MinIO, moto, ...) that boto3 resolved from the AWS chain.
-        scheme, _, host = endpoint_url.partition("://")
-        kwargs.update(endpoint_override=host, scheme=scheme)
-    return pafs.S3FileSystem(**kwargs)

@@ -24,7 +24,7 @@ by the driver's job, and when the driver dies the job is finished and its worker
 (a local Ray started here shares the driver's fate: its GCS and raylet die with it and the task
 workers exit about two seconds later; through Ray Client, `ray://`, the server first waits
 RAY_CLIENT_RECONNECT_GRACE_PERIOD, 30 s by default). What a killed task leaves is removed by
-later writes (see `io/locations.py`).
+later writes (see `io/leftovers.py`).
 
 Importing this module needs Ray (`pip install 'fixed-resolution-sidecar[ray]'`); the CLI
 turns the ImportError into a clear message.

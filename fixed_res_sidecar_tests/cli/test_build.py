@@ -15,7 +15,8 @@ import pytest
 from PIL import Image
 
 from fixed_res_sidecar.cli.build import format_summary
-from fixed_res_sidecar.io.locations import Location, s3_client
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.s3 import s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.shards.verify.report import sample_rows

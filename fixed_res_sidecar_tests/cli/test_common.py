@@ -5,7 +5,7 @@ import tempfile
 import pytest
 
 from fixed_res_sidecar.cli.common import UsageError, clean_leftovers, main_shards, usage_error
-from fixed_res_sidecar.io import locations
+from fixed_res_sidecar.io.leftovers import machine_id
 from fixed_res_sidecar.io.locations import Location
 
 
@@ -27,7 +27,7 @@ def test_leftovers_that_cannot_be_removed_are_a_warning_not_a_failure(s3_env, tm
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    leftover = tmp_path / "out" / f".x.parquet.{locations._machine_id()}-{dead.pid}-0123abcd.tmp"
+    leftover = tmp_path / "out" / f".x.parquet.{machine_id()}-{dead.pid}-0123abcd.tmp"
     leftover.parent.mkdir()
     leftover.write_bytes(b"half a shard")
     missing_bucket = Location.parse("s3://no-such-bucket-here/out")  # listing its uploads fails

@@ -17,8 +17,8 @@ from fixed_res_sidecar.cli import verify as verify_cli
 from fixed_res_sidecar.cli.common import STORAGE_FAILED
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS
-from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.s3 import s3_client
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
@@ -311,7 +311,7 @@ def test_every_command_rides_out_injected_s3_errors(
     for name in ("verify-512.json", "verify-1024.json", "verify-crop.json"):
         assert report(tmp_path / "s3-reports" / name, s3_root) == report(tmp_path / "clean-reports" / name, clean_root)
     # Nothing left behind: no incomplete upload, no temporary file.
-    assert "Uploads" not in locations.s3_client().list_multipart_uploads(Bucket=s3_bucket)
+    assert "Uploads" not in s3_client().list_multipart_uploads(Bucket=s3_bucket)
     assert not [path for path in Path(clean_root).rglob(".*") if path.is_file()]
 
 

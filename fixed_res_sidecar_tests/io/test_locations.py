@@ -1,35 +1,16 @@
 import functools
 import operator
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from botocore.exceptions import ClientError
 
-from fixed_res_sidecar.io import locations
-from fixed_res_sidecar.io.locations import (
-    STALE_TEMPORARY_SECONDS,
-    Location,
-    LocationError,
-    check_output_location,
-    remove_temp_dir_leftovers,
-    s3_client,
-)
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
 from fixed_res_sidecar.io.retry import StorageError
-from fixed_res_sidecar.shards.runner import Terminated, raise_terminated
-
-
-def _touch(root: Path, rel: str, data: bytes = b"x") -> None:
-    path = root / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+from fixed_res_sidecar.shards.runner import Terminated
+from fixed_res_sidecar_tests.fixtures.datasets import touch
+from fixed_res_sidecar_tests.fixtures.s3 import incomplete_uploads
 
 
 def test_parse_local_and_s3(tmp_path):
@@ -51,7 +32,7 @@ def test_relative_paths_cannot_escape(tmp_path):
 
 def test_local_listing_any_depth_sorted_without_temporaries(tmp_path):
     for rel in ("b.parquet", "a/z/2.parquet", "a/1.parquet", "notes.txt", ".a.parquet.123.tmp", ".hidden/x.parquet"):
-        _touch(tmp_path, rel)
+        touch(tmp_path, rel)
     location = Location.parse(tmp_path)
     assert location.list_shards() == ["a/1.parquet", "a/z/2.parquet", "b.parquet"]
     assert list(location.iter_shard_pages(page_size=2)) == [["a/1.parquet", "a/z/2.parquet"], ["b.parquet"]]
@@ -109,7 +90,7 @@ def test_write_path_refuses_protected_location(tmp_path):
 
 def _main_with_victim(tmp_path: Path) -> Path:
     main = tmp_path / "data" / "main"
-    _touch(main, "a/b/victim.parquet", b"main bytes")
+    touch(main, "a/b/victim.parquet", b"main bytes")
     return main
 
 
@@ -146,7 +127,7 @@ def test_a_write_through_a_symlink_into_main_is_refused(tmp_path, case):
 
 def test_a_write_through_a_symlink_into_the_caption_dataset_is_refused(tmp_path):
     main, captions = Location.parse(tmp_path / "main"), Location.parse(tmp_path / "captions")
-    _touch(tmp_path / "captions", "x/c.parquet", b"captions")
+    touch(tmp_path / "captions", "x/c.parquet", b"captions")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").symlink_to(tmp_path / "captions" / "x")
     with pytest.raises(LocationError, match="symbolic links"):
@@ -165,9 +146,9 @@ def test_symlinks_elsewhere_in_the_output_tree_are_fine(tmp_path):
 
 def test_local_listing_follows_no_symlink_and_names_each(tmp_path):
     main = tmp_path / "main"
-    _touch(main, "real/a.parquet")
-    _touch(tmp_path, "outside/b.parquet")
-    _touch(tmp_path, "outside/deep/c.parquet")
+    touch(main, "real/a.parquet")
+    touch(tmp_path, "outside/b.parquet")
+    touch(tmp_path, "outside/deep/c.parquet")
     (main / "linked-folder").symlink_to(tmp_path / "outside")
     (main / "real" / "linked.parquet").symlink_to(tmp_path / "outside" / "b.parquet")
     (main / "real" / "notes.txt").symlink_to(tmp_path / "outside" / "b.parquet")  # not a shard: not reported
@@ -177,24 +158,6 @@ def test_local_listing_follows_no_symlink_and_names_each(tmp_path):
         "linked-folder": str(tmp_path / "outside"),
         "real/linked.parquet": str(tmp_path / "outside" / "b.parquet"),
     }
-
-
-def test_remove_stale_temporaries(tmp_path):
-    _touch(tmp_path, "a/.b.parquet.0123456789ab.tmp")
-    _touch(tmp_path, "a/b.parquet")
-    location = Location.parse(tmp_path)
-    assert location.remove_stale_temporaries("a/b.parquet", older_than=3600) == 0  # may be a live writer's
-    assert location.remove_stale_temporaries("a/b.parquet") == 1
-    assert location.list_shards() == ["a/b.parquet"] and len(list((tmp_path / "a").iterdir())) == 1
-
-
-def test_a_write_removes_temporaries_crashed_writers_left_long_ago(tmp_path):
-    _touch(tmp_path, "a/.b.parquet.000000000000.tmp")
-    _touch(tmp_path, "a/.b.parquet.111111111111.tmp")
-    old = time.time() - STALE_TEMPORARY_SECONDS - 60
-    os.utime(tmp_path / "a/.b.parquet.000000000000.tmp", (old, old))
-    Location.parse(tmp_path).write_bytes("a/b.parquet", b"x")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [".b.parquet.111111111111.tmp", "b.parquet"]
 
 
 RESUME_ORDER = ["a-b.parquet", "a/x.parquet", "a/y/z.parquet", "a0.parquet", "b/c/d.parquet", "b/e.parquet"]
@@ -245,46 +208,9 @@ def test_an_s3_listing_that_fails_is_a_storage_error(s3_env):
         location.list_shards()
 
 
-# -- leftovers: an interrupted write removes its own; a killed writer's go at the next run --
+# -- an interrupted write removes its own leftovers (a killed writer's: test_leftovers.py) --
 
 FAILURES = [RuntimeError("disk full"), KeyboardInterrupt(), Terminated("signal 15")]
-
-
-@pytest.fixture
-def staging(tmp_path, monkeypatch) -> Path:
-    """This process's TMPDIR, fresh and empty (S3 writes stage their files there)."""
-    folder = tmp_path / "tmpdir"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
-
-
-def _uploads(bucket: str) -> list[str]:
-    return [u["Key"] for u in s3_client().list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
-
-
-def _dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
-@pytest.fixture
-def live_pid():
-    """The pid of another process that is running (a writer at work)."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    yield child.pid
-    child.kill()
-    child.wait()
-
-
-def _temporary(name: str, pid: int, machine: str | None = None) -> str:
-    return f".{name}.{machine or locations._machine_id()}-{pid}-0123abcd.tmp"
-
-
-def _age(path: Path, seconds: float) -> None:
-    old = time.time() - seconds
-    os.utime(path, (old, old), follow_symlinks=False)
 
 
 @pytest.mark.parametrize("failure", FAILURES, ids=lambda e: type(e).__name__)
@@ -307,134 +233,4 @@ def test_a_failed_s3_write_leaves_no_object_and_no_staging_folder(s3_bucket, sta
         Path(tmp).write_bytes(b"half a shard")
         raise failure
     assert list(staging.iterdir()) == []
-    assert Location.parse(f"s3://{s3_bucket}/out").list_shards() == [] and _uploads(s3_bucket) == []
-
-
-def test_a_big_s3_write_is_one_completed_multipart_upload(s3_bucket, staging):
-    data = os.urandom(locations.MULTIPART_PART_BYTES * 2 + 12345)
-    location = Location.parse(f"s3://{s3_bucket}/out")
-    location.write_bytes("big.parquet", data)
-    assert location.read_bytes("big.parquet") == data
-    head = s3_client().head_object(Bucket=s3_bucket, Key="out/big.parquet")
-    assert head["ETag"].endswith('-3"')  # three parts
-    assert _uploads(s3_bucket) == [] and list(staging.iterdir()) == []
-
-
-def test_a_multipart_upload_the_server_refuses_is_aborted(s3_bucket, staging, monkeypatch):
-    # Parts under S3's 5 MiB minimum: the server refuses to complete the upload (EntityTooSmall).
-    monkeypatch.setattr(locations, "MULTIPART_THRESHOLD_BYTES", 2**20)
-    monkeypatch.setattr(locations, "MULTIPART_PART_BYTES", 2**20)
-    location = Location.parse(f"s3://{s3_bucket}/out")
-    with pytest.raises(ClientError, match="EntityTooSmall"):
-        location.write_bytes("b.parquet", os.urandom(3 * 2**20))
-    assert _uploads(s3_bucket) == [] and not location.exists("b.parquet")
-    assert list(staging.iterdir()) == []
-
-
-@pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
-def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum, raised):
-    """Ctrl-C or SIGTERM (as the command line handles it) while a part is on its way."""
-    location = Location.parse(f"s3://{s3_bucket}/out")
-    client, sent = s3_client(), []
-
-    def signal_once(**_):
-        if not sent:
-            sent.append(signum)
-            os.kill(os.getpid(), signum)
-
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
-    client.meta.events.register("before-send.s3.UploadPart", signal_once)
-    try:
-        with pytest.raises(raised):
-            location.write_bytes("b.parquet", os.urandom(3 * locations.MULTIPART_PART_BYTES))
-    finally:
-        client.meta.events.unregister("before-send.s3.UploadPart", signal_once)
-        signal.signal(signal.SIGTERM, previous)
-    assert sent == [signum]
-    assert _uploads(s3_bucket) == [] and not location.exists("b.parquet")
-    assert list(staging.iterdir()) == []
-
-
-def test_remove_leftovers_takes_temporaries_of_dead_or_long_gone_writers_only(tmp_path, live_pid):
-    out, dead = tmp_path / "out", _dead_pid()
-    gone = [
-        f"a/{_temporary('x.parquet', dead)}",  # its writer died on this machine: removed at once
-        f"a/b/{_temporary('y.parquet', live_pid)}",  # a live writer's, but untouched for too long
-        "a/.z.parquet.0123456789ab.tmp",  # an earlier version's name, long untouched
-    ]
-    kept = [
-        f"a/{_temporary('w.parquet', live_pid)}",  # a live writer's
-        f"a/{_temporary('v.parquet', dead, machine='0badf00d')}",  # another machine's: its pid means nothing here
-        "a/.u.parquet.0123456789ab.tmp",  # an earlier version's name, fresh
-        "a/.u.parquet.tmp",  # not a name this package writes
-        f".hidden/{_temporary('x.parquet', dead)}",  # no output lives in hidden folders
-    ]
-    for rel in gone + kept:
-        _touch(out, rel)
-    for rel in gone[1:]:
-        _age(out / rel, STALE_TEMPORARY_SECONDS + 60)
-    # Links are never followed: neither a link named like a temporary, nor a linked folder.
-    _touch(tmp_path, "elsewhere/target.parquet")
-    _touch(tmp_path, f"elsewhere/{_temporary('t.parquet', dead)}")
-    (out / "a" / _temporary("link.parquet", dead)).symlink_to(tmp_path / "elsewhere" / "target.parquet")
-    (out / "linked").symlink_to(tmp_path / "elsewhere")
-    cleanup = Location.parse(out).remove_leftovers()
-    assert sorted(cleanup.removed) == sorted(str(out / rel) for rel in gone) and cleanup.problems == []
-    for rel in kept:
-        assert (out / rel).exists()
-    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == sorted(
-        ["target.parquet", _temporary("t.parquet", dead)]
-    )
-    assert (out / "a" / _temporary("link.parquet", dead)).is_symlink()
-
-
-def test_a_write_removes_the_temporaries_of_dead_writers_beside_it(tmp_path, live_pid):
-    dead, live = _temporary("b.parquet", _dead_pid()), _temporary("b.parquet", live_pid)
-    _touch(tmp_path, f"a/{dead}")
-    _touch(tmp_path, f"a/{live}")
-    Location.parse(tmp_path).write_bytes("a/b.parquet", b"x")
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([live, "b.parquet"])
-
-
-def test_remove_leftovers_aborts_stale_incomplete_uploads_under_the_prefix_only(s3_bucket):
-    client = s3_client()
-    keys = ["out/a.parquet", "out/r/report.json", "out/o/pic.png", "out/notes.txt", "other/b.parquet", "out2/c.parquet"]
-    for key in keys:
-        client.create_multipart_upload(Bucket=s3_bucket, Key=key)
-    location = Location.parse(f"s3://{s3_bucket}/out")
-    # moto says every upload was initiated in 2010: younger than a century is kept, older than 6 h is not.
-    assert location.remove_leftovers(older_than=100 * 365 * 86400).removed == []
-    cleanup = location.remove_leftovers()
-    assert sorted(r.split(" ")[0] for r in cleanup.removed) == [f"s3://{s3_bucket}/{k}" for k in sorted(keys[:3])]
-    assert sorted(_uploads(s3_bucket)) == sorted(keys[3:])
-
-
-def test_remove_temp_dir_leftovers_aborts_the_uploads_of_dead_writers(s3_bucket, staging, live_pid):
-    client = s3_client()
-    upload = client.create_multipart_upload(Bucket=s3_bucket, Key="out/x.parquet")["UploadId"]
-    client.upload_part(Bucket=s3_bucket, Key="out/x.parquet", UploadId=upload, PartNumber=1, Body=b"x" * 1000)
-    machine = locations._machine_id()
-    dead = staging / f"sidecar-{machine}-{_dead_pid()}-abcd_123"
-    _touch(dead, "x.parquet", b"x" * 2000)
-    _touch(dead, f"x.parquet{locations.UPLOAD_RECORD_SUFFIX}", locations.json.dumps(
-        {"bucket": s3_bucket, "key": "out/x.parquet", "upload_id": upload}).encode())  # fmt: skip
-    live = staging / f"sidecar-{machine}-{live_pid}-abcd_456"
-    _touch(live, "y.parquet")
-    old_style, old_fresh, not_ours = (
-        staging / "sidecar-a1b2c3d4",
-        staging / "sidecar-e5f6g7h8",
-        staging / "sidecar-i9j0k1l2",
-    )
-    _touch(old_style, "z.parquet")
-    _touch(old_fresh, "z.parquet")
-    _touch(not_ours, "notes.txt")
-    for folder in (old_style, not_ours):
-        _age(folder / next(folder.iterdir()).name, STALE_TEMPORARY_SECONDS + 60)
-        _age(folder, STALE_TEMPORARY_SECONDS + 60)
-    (staging / "unrelated").mkdir()
-    cleanup = remove_temp_dir_leftovers()
-    assert sorted(cleanup.removed) == sorted(
-        [str(dead), str(old_style), f"s3://{s3_bucket}/out/x.parquet (incomplete upload {upload})"]
-    )
-    assert cleanup.problems == [] and _uploads(s3_bucket) == []
-    assert sorted(p.name for p in staging.iterdir()) == sorted([live.name, old_fresh.name, not_ours.name, "unrelated"])
+    assert Location.parse(f"s3://{s3_bucket}/out").list_shards() == [] and incomplete_uploads(s3_bucket) == []

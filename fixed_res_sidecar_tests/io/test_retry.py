@@ -10,6 +10,7 @@ import pytest
 from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import RetryPolicy, StorageError
+from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client, s3_filesystem
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import every_object_get, small_ranges_first_attempt
 
 DATA = os.urandom(100_000)
@@ -26,7 +27,7 @@ def stored(faulty_s3, s3_bucket) -> Location:
 def test_a_small_range_answered_with_a_long_error_body_is_retried(stored, faulty_s3, status):
     # The root cause: pyarrow's own client gives up on such a GET at once ...
     faulty_s3.inject(small_ranges_first_attempt(400), statuses=(status,))
-    raw = locations.s3_filesystem().open_input_file(f"{stored.bucket}/objects/blob.bin")
+    raw = s3_filesystem().open_input_file(f"{stored.bucket}/objects/blob.bin")
     with pytest.raises(OSError, match="Failed to flush response stream"):
         raw.read_at(50, 1000)
     # ... and reads through a Location retry it: the bytes come back whole.
@@ -59,15 +60,15 @@ def test_storage_that_keeps_failing_raises_after_the_attempts(stored, faulty_s3,
     message = str(raised.value)
     assert message.startswith(f"storage failed reading {stored.child('blob.bin')} (bytes 1000-1049) after 10 attempts")
     assert "Failed to flush response stream" in message
-    assert faulty_s3.gets[f"{stored.bucket}/objects/blob.bin"] == locations.S3_MAX_ATTEMPTS
+    assert faulty_s3.gets[f"{stored.bucket}/objects/blob.bin"] == S3_MAX_ATTEMPTS
 
 
 def test_a_permanent_error_behind_a_flush_failure_is_not_retried_on(stored, faulty_s3, monkeypatch):
     """The object is deleted after it was opened: the 404's body overflows the 50-byte range too.
     The retry widens the range, the client sees the 404, and the read fails at once."""
-    monkeypatch.setattr(locations, "S3_READ_RETRY", RetryPolicy(locations.S3_MAX_ATTEMPTS, base_seconds=0.01))
+    monkeypatch.setattr(locations, "S3_READ_RETRY", RetryPolicy(S3_MAX_ATTEMPTS, base_seconds=0.01))
     with stored.open_input("blob.bin") as file:
-        locations.s3_client().delete_object(Bucket=stored.bucket, Key="objects/blob.bin")
+        s3_client().delete_object(Bucket=stored.bucket, Key="objects/blob.bin")
         with pytest.raises(StorageError, match=r"blob.bin \(bytes 0-49\) after 2 attempts: .*RESOURCE_NOT_FOUND"):
             file.read_at(50, 0)
     assert faulty_s3.gets[f"{stored.bucket}/objects/blob.bin"] == 2

@@ -282,7 +282,7 @@ def test_on_s3(build, s3_bucket):
     rel = "nested/a/part-00001.parquet"
     build_crop_bbox_shard(sidecar_layout(main, r512, r1024, local_output), rel)
 
-    from fixed_res_sidecar.io.locations import s3_client
+    from fixed_res_sidecar.io.s3 import s3_client
 
     client = s3_client()
     for name, location in (("main", main), ("r512", r512), ("r1024", r1024)):

@@ -14,9 +14,9 @@ from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.geometry import geometry
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
-from fixed_res_sidecar.io import locations
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import StorageError
+from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
@@ -258,7 +258,7 @@ def test_missing_audit_column_fails_audit_and_sample_checks(sidecar_build):
 
 
 def test_s3_verify_and_summary(sidecar_build, s3_bucket):
-    client = locations.s3_client()
+    client = s3_client()
     roots = {}
     for name, location in (("main", sidecar_build.main), ("512", sidecar_build.r512), ("1024", sidecar_build.r1024)):
         for path in sorted(Path(location.path).rglob("*.parquet")):
@@ -418,7 +418,7 @@ def test_storage_that_keeps_failing_is_no_verdict(sidecar_build, faulty_s3, fast
     with pytest.raises(StorageError, match=rf"storage failed reading s3://{s3_bucket}/data/.* after 10 attempts"):
         verify_resized_shard(layout, REL, "512")
     (failed_range,) = set(faulty_s3.faults)  # the first read (main's footer), tried S3_MAX_ATTEMPTS times
-    assert faulty_s3.faults == [failed_range] * locations.S3_MAX_ATTEMPTS
+    assert faulty_s3.faults == [failed_range] * S3_MAX_ATTEMPTS
     with pytest.raises(StorageError):
         resized_verification_problems(layout, REL, VerifyOptions())
     with pytest.raises(StorageError):

@@ -1,0 +1,98 @@
+"""Publishing a staged file to S3: one PUT, or one multipart upload that is completed or aborted.
+
+While a multipart upload is open, a record of it lies beside the staged file, so that a later
+run on this machine aborts it if this process is killed (io/leftovers.py).
+"""
+
+import contextlib
+import functools
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.io.leftovers import (
+    STALE_TEMPORARY_SECONDS,
+    UPLOAD_RECORD_SUFFIX,
+    abort_stale_uploads,
+    abort_upload,
+)
+
+# An S3 write of this size or more is one multipart upload of parts this size (S3's minimum
+# part is 5 MiB, its maximum part count 10,000), a few parts at a time; smaller, one PUT.
+MULTIPART_THRESHOLD_BYTES = 8 * 2**20
+MULTIPART_PART_BYTES = 8 * 2**20
+MULTIPART_MAX_PARTS = 10_000
+MULTIPART_THREADS = 4
+PART_LANDING_SECONDS = 2.0  # on failure, how long parts already on their way may take before the abort
+
+
+def upload_file(client, path: str, bucket: str, key: str) -> None:
+    """Publish the file at `path` as `key`: one PUT, or one multipart upload, completed or aborted."""
+    size = os.path.getsize(path)
+    if size < MULTIPART_THRESHOLD_BYTES:
+        with open(path, "rb") as body:
+            client.put_object(Bucket=bucket, Key=key, Body=body)
+        return
+    # Stale uploads of this very key (best effort: listing uploads may not be allowed).
+    with contextlib.suppress(Exception):
+        abort_stale_uploads(client, bucket, key, STALE_TEMPORARY_SECONDS, exact=True)
+    # As boto3's own transfers do: CRC32 part checksums unless the AWS config says "when_required".
+    checksum = {"ChecksumAlgorithm": "CRC32"} if _checksums_by_default(client) else {}
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, **checksum)["UploadId"]
+    record = Path(path + UPLOAD_RECORD_SUFFIX)
+    pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
+    parts: list[Future] = []
+    try:
+        # If this process is killed, a later run on this machine finds the record and aborts the upload.
+        record.write_text(json.dumps({"bucket": bucket, "key": key, "upload_id": upload_id}))
+        part_bytes = max(MULTIPART_PART_BYTES, -(-size // MULTIPART_MAX_PARTS))
+        send = functools.partial(_upload_part, client, path, part_bytes, bucket, key, upload_id, checksum)
+        parts = [pool.submit(send, number) for number in range(1, -(-size // part_bytes) + 1)]
+        client.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [p.result() for p in parts]}
+        )
+    except BaseException as exc:
+        pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
+        if _abandon_upload(client, bucket, key, upload_id, parts, exc):
+            record.unlink(missing_ok=True)
+        raise
+    pool.shutdown()
+    record.unlink(missing_ok=True)
+
+
+def _checksums_by_default(client) -> bool:
+    return getattr(client.meta.config, "request_checksum_calculation", None) != "when_required"
+
+
+def _upload_part(
+    client, path: str, part_bytes: int, bucket: str, key: str, upload_id: str, checksum: dict, number: int
+) -> dict:
+    """Upload part `number` (from 1) of the file at `path`; its entry for completing the upload."""
+    with open(path, "rb") as f:
+        f.seek((number - 1) * part_bytes)
+        data = f.read(part_bytes)
+    response = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data, **checksum)
+    part = {"PartNumber": number, "ETag": response["ETag"]}
+    if "ChecksumCRC32" in response:
+        part["ChecksumCRC32"] = response["ChecksumCRC32"]
+    return part
+
+
+def _abandon_upload(client, bucket: str, key: str, upload_id: str, parts: list[Future], error: BaseException) -> bool:
+    """Abort a multipart upload that failed with `error`; False (and a note on `error`) if that failed too."""
+    try:
+        # Parts in flight land before the abort, so it frees them too; a stopping process has only
+        # seconds, so the wait is short (a part landing after the abort fails: no such upload).
+        wait(parts, timeout=PART_LANDING_SECONDS)
+    finally:
+        try:
+            abort_upload(client, bucket, key, upload_id)
+        except Exception as abort_error:  # noqa: BLE001 - `error` is what the caller sees; this is its note
+            error.add_note(
+                f"the incomplete upload {upload_id} of s3://{bucket}/{key} could not be aborted "
+                f"({describe_exception(abort_error, max_chars=200)}); the next run removes it"
+            )
+            return False
+    return True
