@@ -123,6 +123,15 @@ class Page:
         if skip.count():
             skip.first.click()
 
+    def text_when(self, expected: list[str], timeout: float) -> str:
+        """The page's text once it holds every `expected` string, or as it is after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while not all(line in (text := self.page.inner_text("body")) for line in expected):
+            if time.monotonic() > deadline:
+                break
+            self.page.wait_for_timeout(250)
+        return text
+
     def shot(self, name: str) -> None:
         if SCREENSHOTS:
             self.page.wait_for_timeout(1000)  # let dialogs finish opening
@@ -135,11 +144,13 @@ def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
     page = Page(browser, base)
 
     page.open("/assets/sample/audit?view=checks", "dataset_audit")
-    page.page.get_by_text(DAMAGED).first.wait_for(timeout=30_000)
-    text = page.page.inner_text("body")
-    page.shot("audit-check")
-    assert f"sample/verify_512:keys_match FAILED on 1 shard(s): {DAMAGED}" in text  # the failing shard, by name
-    assert "sample FAILED: 2 shards, 2 with crop_bbox; 512: 10 valid, 2 invalid" in text  # the totals
+    expected = [
+        f"sample/verify_512:keys_match FAILED on 1 shard(s): {DAMAGED}",  # the failing shard, by name
+        "sample FAILED: 2 shards, 2 with crop_bbox; 512: 10 valid, 2 invalid",  # the totals
+    ]
+    text = page.text_when(expected, timeout=30)  # the page fills in as its queries answer
+    for line in expected:
+        assert line in text
     page.shot("audit-check")
 
     page.open("/assets/sample/crop_bbox", "Overlay pictures")
