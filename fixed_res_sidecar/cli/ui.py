@@ -169,6 +169,9 @@ def stop(home: Path) -> int:
         time.sleep(0.5)
     if _group_alive(pid):
         _signal_group(pid, signal.SIGKILL)
+        deadline = time.monotonic() + STOP_SECONDS
+        while time.monotonic() < deadline and _group_alive(pid):
+            time.sleep(0.1)
     (home / PID_FILE).unlink(missing_ok=True)
     print(f"stopped the UI started from {home}", flush=True)
     return 0
@@ -187,13 +190,28 @@ def _running(home: Path) -> bool:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs. A zombie has exited: where nothing reaps orphans
+    (PID 1 of some containers), the group's exited processes stay zombies for good."""
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux): any member, zombie or not
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                text = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # ended while we looked
+                continue
+            state, _ppid, group = text[text.rindex(")") + 2 :].split()[:3]
+            if int(group) == pgid and state not in "ZX":
+                return True
+    return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
