@@ -40,11 +40,15 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
         abort_stale_uploads(client, bucket, key, STALE_TEMPORARY_SECONDS, exact=True)
     # As boto3's own transfers do: CRC32 part checksums unless the AWS config says "when_required".
     checksum = {"ChecksumAlgorithm": "CRC32"} if _checksums_by_default(client) else {}
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, **checksum)["UploadId"]
-    record = Path(path + UPLOAD_RECORD_SUFFIX)
     pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
+    # Created in a thread: an interrupt of this thread (Ctrl-C, SIGTERM) that lands after the
+    # server made the upload but before its id got here would otherwise lose the id to abort.
+    creating = pool.submit(client.create_multipart_upload, Bucket=bucket, Key=key, **checksum)
+    upload_id: str | None = None
+    record = Path(path + UPLOAD_RECORD_SUFFIX)
     parts: list[Future] = []
     try:
+        upload_id = creating.result()["UploadId"]
         # If this process is killed, a later run on this machine finds the record and aborts the upload.
         record.write_text(json.dumps({"bucket": bucket, "key": key, "upload_id": upload_id}))
         part_bytes = max(MULTIPART_PART_BYTES, -(-size // MULTIPART_MAX_PARTS))
@@ -55,11 +59,21 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
         )
     except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
-        if _abandon_upload(client, bucket, key, upload_id, parts, exc):
+        upload_id = upload_id or _created_upload_id(creating)
+        if upload_id is None or _abandon_upload(client, bucket, key, upload_id, parts, exc):
             record.unlink(missing_ok=True)
         raise
     pool.shutdown()
     record.unlink(missing_ok=True)
+
+
+def _created_upload_id(creating: Future) -> str | None:
+    """The id of an upload whose creation the caller stopped waiting for, once the server answers
+    (a stopping process has only seconds); None if it was not created."""
+    try:
+        return creating.result(timeout=PART_LANDING_SECONDS)["UploadId"]
+    except Exception:  # noqa: BLE001 - not created, or not known in time: the next run's sweep removes it
+        return None
 
 
 def _checksums_by_default(client) -> bool:

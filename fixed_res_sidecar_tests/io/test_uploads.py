@@ -35,8 +35,15 @@ def test_a_multipart_upload_the_server_refuses_is_aborted(s3_bucket, staging, mo
 
 
 @pytest.mark.parametrize("signum, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)])
-def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum, raised):
-    """Ctrl-C or SIGTERM (as the command line handles it) while a part is on its way."""
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "before-send.s3.UploadPart",  # while a part is on its way
+        "after-call.s3.CreateMultipartUpload",  # the server made the upload, its id is not yet the caller's
+    ],
+)
+def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum, raised, moment):
+    """Ctrl-C or SIGTERM (as the command line handles it) at any moment of a multipart upload."""
     location = Location.parse(f"s3://{s3_bucket}/out")
     client, sent = s3_client(), []
 
@@ -46,12 +53,12 @@ def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum
             os.kill(os.getpid(), signum)
 
     previous = signal.signal(signal.SIGTERM, raise_terminated)
-    client.meta.events.register("before-send.s3.UploadPart", signal_once)
+    client.meta.events.register(moment, signal_once)
     try:
         with pytest.raises(raised):
             location.write_bytes("b.parquet", os.urandom(3 * uploads.MULTIPART_PART_BYTES))
     finally:
-        client.meta.events.unregister("before-send.s3.UploadPart", signal_once)
+        client.meta.events.unregister(moment, signal_once)
         signal.signal(signal.SIGTERM, previous)
     assert sent == [signum]
     assert incomplete_uploads(s3_bucket) == [] and not location.exists("b.parquet")
