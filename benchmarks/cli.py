@@ -4,7 +4,7 @@
     python -m benchmarks --webp-methods      # time / bytes / PSNR per WebP method 0..6
     python -m benchmarks --memory            # peak RSS of one ~2 GB shard with 4 threads
     python -m benchmarks --cprofile          # CPU profile of the fused build of one shard
-    python -m benchmarks --dagster-scale     # Dagster at 10k/100k partitions on Postgres (~25 min)
+    python -m benchmarks --dagster-scale     # Dagster at 10k/100k partitions on Postgres (~13 min)
 
 Run from the repository root. Without a mode option it runs the comparison; --compare adds
 it to the other modes. Each mode lives in its own module (compare, webp_methods, memory,
