@@ -4,10 +4,11 @@
     python -m benchmarks --webp-methods      # time / bytes / PSNR per WebP method 0..6
     python -m benchmarks --memory            # peak RSS of one ~2 GB shard with 4 threads
     python -m benchmarks --cprofile          # CPU profile of the fused build of one shard
+    python -m benchmarks --dagster-scale     # Dagster at 10k/100k partitions on Postgres (~13 min)
 
 Run from the repository root. Without a mode option it runs the comparison; --compare adds
 it to the other modes. Each mode lives in its own module (compare, webp_methods, memory,
-profiling): a new mode adds its module and its option here. benchmarks/README.md explains
+profiling, dagster_scale): a new mode adds its module and its option here. benchmarks/README.md explains
 the figures.
 """
 
@@ -21,6 +22,8 @@ from typing import Any
 from benchmarks import corpus
 from benchmarks.common import DEFAULT_METHOD, DEFAULT_WORKDIR
 from benchmarks.compare import run_compare
+from benchmarks.dagster_scale import ScaleOptions, run_dagster_scale
+from benchmarks.dagster_scale_metrics import print_dagster_scale
 from benchmarks.memory import print_memory, run_memory
 from benchmarks.naive_venv import NAIVE_PILLOW_VERSION, NAIVE_VENV_NAME, naive_runtime
 from benchmarks.profiling import run_cprofile
@@ -78,7 +81,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard"
     )
+    scale = parser.add_argument_group("--dagster-scale (see benchmarks/README.md, 'Dagster scale')")
+    scale.add_argument(
+        "--dagster-scale", action="store_true", help="Dagster on Postgres with a live daemon at many partitions"
+    )
+    defaults = ScaleOptions()
+    scale.add_argument("--partitions", type=int, default=defaults.partitions, help="shards of the built dataset")
+    scale.add_argument(
+        "--metadata-partitions", type=int, default=defaults.metadata_partitions, help="shards of the metadata-only one"
+    )
+    scale.add_argument("--sample-shards", type=int, default=defaults.sample_shards, help="shards built per batch size")
+    scale.add_argument(
+        "--batch-sizes",
+        default=",".join(map(str, defaults.batch_sizes)),
+        help="shards_per_run values to measure (default %(default)s)",
+    )
+    scale.add_argument("--shard-rows", type=int, default=defaults.rows, help="rows per built shard")
+    scale.add_argument(
+        "--shards-per-tick", type=int, default=defaults.per_tick, help="discovery's max new shards per tick (built)"
+    )
+    scale.add_argument(
+        "--metadata-shards-per-tick",
+        type=int,
+        default=defaults.metadata_per_tick,
+        help="discovery's max new shards per tick (metadata-only dataset)",
+    )
+    scale.add_argument(
+        "--full-discovery",
+        action="store_true",
+        help="let the sensor take every shard (default: one tick's worth; the others are registered in bulk)",
+    )
     return parser.parse_args(argv)
+
+
+def scale_options(args: argparse.Namespace) -> ScaleOptions:
+    return ScaleOptions(
+        partitions=args.partitions,
+        metadata_partitions=args.metadata_partitions,
+        sample_shards=args.sample_shards,
+        batch_sizes=tuple(int(size) for size in args.batch_sizes.split(",")),
+        rows=args.shard_rows,
+        per_tick=args.shards_per_tick,
+        metadata_per_tick=args.metadata_shards_per_tick,
+        full_discovery=args.full_discovery,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -87,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     common = {"seed": args.seed, "profile": args.profile, "style": args.style}
     report: dict[str, Any] = {}
-    if args.compare or not (args.webp_methods or args.memory or args.cprofile):
+    if args.compare or not (args.webp_methods or args.memory or args.cprofile or args.dagster_scale):
         naive = naive_runtime(
             args.workdir,
             on_installed_pil=args.naive_on_installed_pil,
@@ -110,6 +156,9 @@ def main(argv: list[str] | None = None) -> dict:
         print_memory(report["memory"])
     if args.cprofile:
         print(run_cprofile(args.workdir, args.images, args.shards, DEFAULT_METHOD, **common))
+    if args.dagster_scale:
+        report["dagster_scale"] = run_dagster_scale(args.workdir, scale_options(args))
+        print_dagster_scale(report["dagster_scale"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return report

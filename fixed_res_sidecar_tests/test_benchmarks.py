@@ -178,3 +178,74 @@ def test_both_invocations_reach_the_options(command, tmp_path):
         [sys.executable, *command, "--help"], cwd=cwd, env=env, capture_output=True, text=True, check=True
     )
     assert "--webp-methods" in done.stdout and "--naive-venv-no-create" in done.stdout
+
+
+def _numbers(value, path: str = "") -> list[tuple[str, float]]:
+    """Every number in a report, with its dotted path (booleans are not numbers here)."""
+    if isinstance(value, dict):
+        return [item for key, inner in value.items() for item in _numbers(inner, f"{path}{key}.")]
+    if isinstance(value, list):
+        return [item for i, inner in enumerate(value) for item in _numbers(inner, f"{path}{i}.")]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [(path.rstrip("."), value)]
+    return []
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # exited meanwhile
+            continue
+        if text in command:
+            found.append(command)
+    return found
+
+
+def test_dagster_scale_reports_every_figure(tmp_path, capsys):
+    """--dagster-scale at a tiny size, for real (PostgreSQL, code server, daemon, webserver): every figure
+    is reported, finite and not negative, and nothing is left running. No timing is asserted.
+
+    About 3 minutes: the deployment starts four times (once, then per batch size and for the up-to-date
+    backfill), and the daemon's loops have fixed intervals (sensors at least 5 s, backfills 30 s).
+    """
+    out = tmp_path / "scale.json"
+    work = tmp_path / "work"
+    options = ["--partitions", "20", "--metadata-partitions", "200", "--sample-shards", "4", "--batch-sizes", "1,2"]
+    options += ["--shards-per-tick", "10", "--metadata-shards-per-tick", "50"]
+    report = cli.main(["--dagster-scale", *options, "--workdir", str(work), "--json", str(out)])["dagster_scale"]
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["dagster_scale"].keys() == report.keys()
+    assert not _processes_mentioning(str(work)), "processes of the deployment left running"
+    assert not list(work.iterdir()), "the benchmark's data was not removed"
+
+    for section in ("definitions", "discovery", "backfill_all", "batches", "up_to_date", "graphql", "audit", "probes"):
+        assert report[section], section
+    assert set(report["discovery"]) == {"scale", "meta"}
+    assert report["discovery"]["scale"]["partitions"] == 20 and report["discovery"]["meta"]["partitions"] == 200
+    for discovery in report["discovery"].values():
+        assert discovery["by_sensor"] > 0 and discovery["work_ticks"] >= 1 and discovery["tick_s_per_1000_shards"] > 0
+    assert set(report["batches"]) == {"1", "2"}
+    for size, batch in report["batches"].items():
+        assert batch["shards"] == 4 and batch["runs"] == 4 // int(size) and batch["statuses"] == ["SUCCESS"]
+        for field in ("launch_to_success_s", "queue_to_success_s", "work_per_shard_s", "wall_s", "shards_per_minute"):
+            assert batch[field] > 0, (size, field)
+        assert math.isfinite(batch["overhead_per_shard_s"]) and math.isfinite(batch["slot_overhead_per_shard_s"])
+    up_to_date = report["up_to_date"]
+    assert up_to_date["shards"] == 8 and up_to_date["rebuilt"] == 0 and up_to_date["wall_per_shard_s"] > 0
+    assert {label.split(":")[0] for label in report["graphql"]} == {
+        "asset partitions page",
+        "asset check partitions",
+        "backfill page",
+        "asset page (definition)",
+        "asset page (live data)",
+    }
+    for row in report["graphql"].values():
+        assert len(row["seconds"]) == 3 and row["median_s"] > 0
+    assert report["audit"]["scale"]["shards"] == 20 and report["audit"]["meta"]["shards"] == 200
+    assert report["audit"]["scale"]["incremental_events"] > 0  # the shards built since the first audit
+    for path, number in _numbers(report):
+        assert math.isfinite(number) and number >= 0, path
+    assert all(isinstance(met, bool) for met in report["targets"].values())
+    assert "## Dagster scale" in printed and "| shards_per_run 2: overhead per shard |" in printed

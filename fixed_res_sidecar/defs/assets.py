@@ -12,7 +12,7 @@
   its own materializations and its own check results, also in a run over several shards.
   The gate is per shard: a shard whose verifier failed gets no crop_bbox, the others of its batch
   do; crop_bbox selected without its verifiers is refused unless both verifiers passed on the
-  current resized shards in earlier runs (`history.unverified_resized_problems`). A refused shard
+  current resized shards in earlier runs (`history.unverified_resized_problems`, read only then). A refused shard
   gets an observation saying why and no materialization; its checks do not run.
   A shard whose selected outputs are up to date and whose last results are on record is not
   redone: its results are restated for this run (footers read, nothing else).
@@ -171,7 +171,15 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             context.log.info(f"{rel}: up to date, results restated")
             yield from restated_events(rel, results)
         todo = [rel for rel in rels if rel not in current]
-        gates = {rel: unverified_resized_problems(context.instance, keys, rel) for rel in todo} if stages.crop else {}
+        # The cross-run gate (earlier runs' verifications, a few event-log queries per shard, ~0.1 s on
+        # Postgres) only when this run does not verify both resolutions itself; when it does, run_stages
+        # gates the crop on this run's own reports and never reads it (README, "Dagster at scale").
+        verified_here = set(stages.verify) == set(RESOLUTIONS)
+        gates = (
+            {rel: unverified_resized_problems(context.instance, keys, rel) for rel in todo}
+            if stages.crop and not verified_here
+            else {}
+        )
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)

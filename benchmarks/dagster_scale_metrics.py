@@ -1,0 +1,186 @@
+"""What the Dagster scale benchmark reads back from the instance: sensor ticks, backfill runs and their
+timings, the shards' own work, and the printed table."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import dagster as dg
+from dagster._core.definitions.run_request import InstigatorType
+from dagster._core.events import DagsterEventType
+from dagster._core.scheduler.instigation import TickStatus
+
+BACKFILL_TAG = "dagster/backfill"
+
+
+def timed(call: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = call()
+    return time.perf_counter() - started, result
+
+
+def median_of(call: Callable[[], Any], repeats: int) -> tuple[float, list[float]]:
+    """Median seconds of `repeats` calls, and every call's seconds."""
+    seconds = [timed(call)[0] for _ in range(repeats)]
+    return statistics.median(seconds), seconds
+
+
+def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
+    """Every tick of the sensor `name`, oldest first."""
+    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
+        if state.instigator_name == name:
+            return list(reversed(instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000)))
+    return []
+
+
+def added_partitions(tick) -> int:
+    return sum(len(r.added_partitions or []) for r in tick.tick_data.dynamic_partitions_request_results or [])
+
+
+def tick_summary(ticks: Sequence) -> dict[str, float]:
+    """Count, mean and max seconds of finished ticks."""
+    seconds = [t.end_timestamp - t.timestamp for t in ticks if t.end_timestamp is not None]
+    if not seconds:
+        return {"ticks": 0, "mean_s": 0.0, "max_s": 0.0}
+    return {"ticks": len(seconds), "mean_s": statistics.mean(seconds), "max_s": max(seconds)}
+
+
+def finished(tick) -> bool:
+    return tick.status != TickStatus.STARTED and tick.end_timestamp is not None
+
+
+def backfill_runs(instance: dg.DagsterInstance, backfill_id: str) -> list[dg.RunRecord]:
+    return list(instance.get_run_records(dg.RunsFilter(tags={BACKFILL_TAG: backfill_id})))
+
+
+def launched_at(instance: dg.DagsterInstance, run_id: str) -> float:
+    """When the run coordinator dequeued and launched the run (its RUN_STARTING event)."""
+    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.RUN_STARTING).records
+    return records[0].event_log_entry.timestamp
+
+
+def shard_work(
+    instance: dg.DagsterInstance, crop_key: dg.AssetKey, rels: Sequence[str]
+) -> dict[str, tuple[str, float]]:
+    """rel -> (run id, seconds of its own work): `seconds` of its latest crop_bbox materialization, the
+    wall time of resize + verify + crop of that shard inside the run (Dagster's events not included)."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=crop_key, asset_partitions=list(rels)), limit=10 * len(rels) + 10
+    ).records
+    work: dict[str, tuple[str, float]] = {}
+    for record in records:  # newest first: keep the latest per shard
+        if record.partition_key not in work:
+            work[record.partition_key] = (record.run_id, float(record.asset_materialization.metadata["seconds"].value))
+    return work
+
+
+def run_timings(
+    instance: dg.DagsterInstance,
+    records: list[dg.RunRecord],
+    shards: int,
+    slots: int,
+    work: dict[str, tuple[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Per-run and amortised figures of one backfill's runs (`work`: rel -> (run id, seconds), None when
+    the shards were up to date and nothing was built).
+
+    - queue_to_success_s: run created (queued) to success, mean per run; includes waiting for a slot.
+    - launch_to_success_s: dequeued and launched to success, mean per run: the run's own time.
+    - overhead_per_shard_s: sum over runs of (launch to success - the shards' own work) / shards.
+    - wall_s, shards_per_minute: first launch to last success, and shards / that time.
+    - slot_overhead_per_shard_s: (wall * slots - own work) / shards: everything the run slots spent
+      on anything but shard work, queue gaps and dequeue intervals included.
+    """
+    launches = {r.dagster_run.run_id: launched_at(instance, r.dagster_run.run_id) for r in records}
+    ends = {r.dagster_run.run_id: r.end_time for r in records}
+    created = {r.dagster_run.run_id: r.create_timestamp.timestamp() for r in records}
+    own = {run_id: 0.0 for run_id in ends}
+    for run_id, seconds in (work or {}).values():
+        if run_id in own:
+            own[run_id] += seconds
+    busy = [ends[r] - launches[r] for r in ends]
+    wall = max(ends.values()) - min(launches.values())
+    total_work = sum(own.values())
+    return {
+        "runs": len(records),
+        "shards": shards,
+        "statuses": sorted({r.dagster_run.status.value for r in records}),
+        "queue_to_success_s": statistics.mean(ends[r] - created[r] for r in ends),
+        "launch_to_success_s": statistics.mean(busy),
+        "work_per_shard_s": total_work / shards if work is not None else 0.0,
+        "overhead_per_shard_s": (sum(busy) - total_work) / shards,
+        "wall_s": wall,
+        "shards_per_minute": 60.0 * shards / wall,
+        "slot_overhead_per_shard_s": (wall * slots - total_work) / shards,
+    }
+
+
+# -- the printed report ------------------------------------------------------------------------
+
+
+def _s(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_dagster_scale(report: dict[str, Any]) -> None:
+    out = ["", "## Dagster scale", ""]
+    machine = report["machine"]
+    out.append(
+        f"{report['partitions']:,} partitions (built dataset), {report['metadata_partitions']:,} (metadata only); "
+        f"load average before {machine['load_before']}, after {machine['load_after']}; total {report['total_s']:.0f} s"
+    )
+    out += ["", "| figure | value | note |", "|---|---|---|"]
+    for name, discovery in report["discovery"].items():
+        out.append(
+            f"| discovery tick at {discovery['partitions']:,} shards ({name}) | "
+            f"{discovery['tick_s_per_1000_shards']:.1f} s per 1,000 new shards | {discovery['by_sensor']:,} shards by "
+            f"the sensor in {discovery['work_ticks']} tick(s) of <= {discovery['per_tick']:,}, {discovery['sensor_s']:.0f} s "
+            f"from sensor on to last partition; all {discovery['partitions']:,} by the sensor: ~"
+            f"{discovery['estimated_all_by_sensor_s'] / 60:.0f} min (estimate); idle full pass {discovery['idle_tick_s']:.1f} s |"
+        )
+    load = report["definitions"]
+    out.append(
+        f"| definitions load: code server | {load['code_server_s']:.1f} s | process start to answering; in process "
+        f"{load['in_process_s']:.2f} s; `dagster definitions validate` {load['validate_cli_s']:.1f} s |"
+    )
+    out.append(f"| definitions load: webserver | {load['webserver_s']:.1f} s | process start to location loaded |")
+    launch = report["backfill_all"]
+    out.append(
+        f"| launch backfill of {launch['partitions']:,} | {launch['mutation_s']:.2f} s | GraphQL round trip; first "
+        f"runs {launch['first_runs_s']:.1f} s later ({launch['runs_seen']} runs by then) |"
+    )
+    for size, row in report["batches"].items():
+        out.append(
+            f"| shards_per_run {size}: overhead per shard | {row['overhead_per_shard_s']:.2f} s | "
+            f"{row['runs']} runs, {row['shards']} shards; run {row['launch_to_success_s']:.1f} s launch to success, "
+            f"work {row['work_per_shard_s']:.2f} s/shard; slot overhead {row['slot_overhead_per_shard_s']:.2f} s/shard; "
+            f"{row['shards_per_minute']:.1f} shards/min |"
+        )
+    up = report["up_to_date"]
+    out.append(
+        f"| up-to-date shard | {up['wall_per_shard_s']:.2f} s | {up['shards']} shards, shards_per_run "
+        f"{up['shards_per_run']}, {up['runs']} runs, {up['rebuilt']} rebuilt; slot time {up['slot_per_shard_s']:.2f} s/shard |"
+    )
+    for page, row in report["graphql"].items():
+        out.append(f"| UI: {page} | {row['median_s']:.2f} s | median of {len(row['seconds'])}; {row['what']} |")
+    for name, audit in report["audit"].items():
+        out.append(
+            f"| audit of {audit['shards']:,} shards ({name}) | {audit['first_s']:.2f} s | first evaluation; "
+            f"incremental {audit['incremental_s']:.2f} s ({audit['incremental_events']} new events) |"
+        )
+    probes = report["probes"]
+    out.append(
+        f"| per-shard event-log queries | {probes['gate_ms']:.1f} ms | cross-run crop gate "
+        f"(`unverified_resized_problems`); recorded results {probes['recorded_ms']:.1f} ms |"
+    )
+    for name, ticks in report["automation_ticks"].items():
+        out.append(
+            f"| automation sensor {name} | {ticks['mean_s']:.1f} s | mean tick ({ticks['ticks']} ticks, max {ticks['max_s']:.1f} s) |"
+        )
+    targets = report["targets"]
+    out += ["", "Targets:"]
+    out += [f"- {name}: {'met' if met else 'NOT met'}" for name, met in targets.items()]
+    print("\n".join(out))
