@@ -43,12 +43,13 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
     pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
     # Created in a thread: an interrupt of this thread (Ctrl-C, SIGTERM) that lands after the
     # server made the upload but before its id got here would otherwise lose the id to abort.
-    creating = pool.submit(client.create_multipart_upload, Bucket=bucket, Key=key, **checksum)
+    created: Future = Future()
     upload_id: str | None = None
     record = Path(path + UPLOAD_RECORD_SUFFIX)
     parts: list[Future] = []
     try:
-        upload_id = creating.result()["UploadId"]
+        pool.submit(_create_upload, created, client, bucket, key, checksum)
+        upload_id = created.result()
         # If this process is killed, a later run on this machine finds the record and aborts the upload.
         record.write_text(json.dumps({"bucket": bucket, "key": key, "upload_id": upload_id}))
         part_bytes = max(MULTIPART_PART_BYTES, -(-size // MULTIPART_MAX_PARTS))
@@ -59,7 +60,7 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
         )
     except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
-        upload_id = upload_id or _created_upload_id(creating)
+        upload_id = upload_id or _created_upload_id(created)
         if upload_id is None or _abandon_upload(client, bucket, key, upload_id, parts, exc):
             record.unlink(missing_ok=True)
         raise
@@ -67,11 +68,18 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
     record.unlink(missing_ok=True)
 
 
-def _created_upload_id(creating: Future) -> str | None:
+def _create_upload(created: Future, client, bucket: str, key: str, checksum: dict) -> None:
+    try:
+        created.set_result(client.create_multipart_upload(Bucket=bucket, Key=key, **checksum)["UploadId"])
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller
+        created.set_exception(exc)
+
+
+def _created_upload_id(created: Future) -> str | None:
     """The id of an upload whose creation the caller stopped waiting for, once the server answers
     (a stopping process has only seconds); None if it was not created."""
     try:
-        return creating.result(timeout=PART_LANDING_SECONDS)["UploadId"]
+        return created.result(timeout=PART_LANDING_SECONDS)
     except Exception:  # noqa: BLE001 - not created, or not known in time: the next run's sweep removes it
         return None
 
