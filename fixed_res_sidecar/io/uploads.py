@@ -43,8 +43,8 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
     pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
     # Created in a thread: an interrupt of this thread (Ctrl-C, SIGTERM) that lands after the
     # server made the upload but before its id got here would otherwise lose the id to abort.
+    # The future exists before the thread starts, so no interrupt can come between them either.
     created: Future = Future()
-    upload_id: str | None = None
     record = Path(path + UPLOAD_RECORD_SUFFIX)
     parts: list[Future] = []
     try:
@@ -60,7 +60,7 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
         )
     except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
-        upload_id = upload_id or _created_upload_id(created)
+        upload_id = _created_upload_id(created)
         if upload_id is None or _abandon_upload(client, bucket, key, upload_id, parts, exc):
             record.unlink(missing_ok=True)
         raise
@@ -76,8 +76,8 @@ def _create_upload(created: Future, client, bucket: str, key: str, checksum: dic
 
 
 def _created_upload_id(created: Future) -> str | None:
-    """The id of an upload whose creation the caller stopped waiting for, once the server answers
-    (a stopping process has only seconds); None if it was not created."""
+    """The id of the upload `created` holds, awaiting the server's answer if the caller was
+    interrupted before it (a stopping process has only seconds); None if it was not created."""
     try:
         return created.result(timeout=PART_LANDING_SECONDS)
     except Exception:  # noqa: BLE001 - not created, or not known in time: the next run's sweep removes it
