@@ -139,13 +139,19 @@ def show_automation_on(instance) -> None:
 def apply_sensor_result(instance, result) -> list[str]:
     """Do in-process what the sensor daemon does with a tick's result, except launching runs.
 
-    Records the asset events and adds the partitions; returns the added keys. The demo uses
+    Records the asset events, adds and retires the partitions; returns the added keys. The demo uses
     this to register shards without a daemon; runs are then executed by the caller.
     """
+    import dagster as dg
+
     for event in result.asset_events or []:
         instance.report_runless_asset_event(event)
     added: list[str] = []
     for request in result.dynamic_partitions_requests or []:
+        if isinstance(request, dg.DeleteDynamicPartitionsRequest):
+            for key in request.partition_keys:
+                instance.delete_dynamic_partition(request.partitions_def_name, key)
+            continue
         existing = set(instance.get_dynamic_partitions(request.partitions_def_name))
         new = [key for key in request.partition_keys if key not in existing]
         if new:

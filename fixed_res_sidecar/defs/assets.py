@@ -22,6 +22,7 @@ No `from __future__ import annotations` here: Dagster reads the `context` annota
 """
 
 import base64
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -39,6 +40,7 @@ from fixed_res_sidecar.defs.checks import (
     examples_table,
     report_counts,
     resized_check_specs,
+    target_data,
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import (
@@ -155,6 +157,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         backfill_policy=dg.BackfillPolicy.multi_run(dataset.shards_per_run),
     )
     def _shards(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator:
+        context.log.addFilter(_per_shard_check_results)
         stages = selected_stages(keys, context.selected_asset_keys)
         options = PipelineOptions(
             pixels=dataset.pixel_options(),
@@ -164,13 +167,21 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             overlay_sample=dataset.overlay_sample,
         )
         rels = list(context.partition_keys)
-        current = {
-            rel: results for rel in rels if (results := _current(context.instance, keys, dataset, rel, stages, options))
-        }
-        for rel, results in current.items():
+        problems: dict[str, list[str]] = {}  # shard -> why it failed; the others' results stand
+        removed = [rel for rel in rels if not dataset.main.exists(rel)]
+        for rel in removed:
+            yield from removed_observations(context, keys, dataset, rel, stages)
+        current = {}
+        for rel in (rel for rel in rels if rel not in removed):
+            try:
+                if recorded := _current(context.instance, keys, dataset, rel, stages, options):
+                    current[rel] = recorded
+            except Exception as exc:  # noqa: BLE001 - one shard's failure must not stop the others
+                problems[rel] = [describe_exception(exc, max_chars=500)]
+        for rel, recorded in current.items():
             context.log.info(f"{rel}: up to date, results restated")
-            yield from restated_events(rel, results)
-        todo = [rel for rel in rels if rel not in current]
+            yield from restated_events(context, rel, recorded)
+        todo = [rel for rel in rels if rel not in current and rel not in removed and rel not in problems]
         # The cross-run gate (earlier runs' verifications, a few event-log queries per shard, ~0.1 s on
         # Postgres) only when this run does not verify both resolutions itself; when it does, run_stages
         # gates the crop on this run's own reports and never reads it (README, "Dagster at scale").
@@ -183,16 +194,30 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
+        for rel, reason in failures.items():  # not the data's fault (storage, a crash): a retry can redo it
+            problems[rel] = [reason]
         for rel in todo:
             if rel in outcomes:
                 yield from shard_events(context, dataset, keys, outcomes[rel], stages)
-        if failures:  # not the data's fault (storage, a crash): the run fails and can be retried
+                if outcome_problems := outcomes[rel].problems():
+                    problems[rel] = outcome_problems
+        if problems:
+            # The run fails, naming each failed shard; every other shard of it is recorded whole (every
+            # selected asset materialised, every check evaluated), so only failed shards show Failed.
             raise dg.Failure(
-                description="; ".join(f"{rel}: {reason}" for rel, reason in sorted(failures.items())),
-                metadata={"failed_shards": dg.MetadataValue.json(sorted(failures))},
+                description=f"{len(problems)} of {len(rels)} shard(s) failed: "
+                + "; ".join(f"{rel}: {', '.join(why)}" for rel, why in sorted(problems.items())),
+                metadata={"failed_shards": dg.MetadataValue.json(sorted(problems))},
             )
 
     return _shards
+
+
+def _per_shard_check_results(record: logging.LogRecord) -> bool:
+    """Drops Dagster's "did not yield or return expected outputs" line for the checks: it counts only
+    check results returned for the step's own partition, and a step over a batch reports each
+    shard's results as events (every selected check of every shard has one, or the run fails)."""
+    return "did not yield or return expected outputs" not in record.getMessage()
 
 
 def selected_stages(keys: DatasetKeys, selected: set[dg.AssetKey]) -> Stages:
@@ -325,11 +350,12 @@ def refusal(keys: DatasetKeys, rel: str, problems: list[str], context) -> dg.Ass
     )
 
 
-def _current(instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options) -> dict | None:
-    """The recorded results of `rel` when nothing needs doing: every selected result is on record,
+def _current(instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options):
+    """What is on record of `rel` when nothing needs doing: every selected result is on record,
     passed, was made on the very objects now in storage (their fingerprints), and they are up to date
-    (a few event-log queries, stats and footer reads); else None."""
-    if not options.skip_existing:
+    (a few event-log queries, stats and footer reads); else None. A resized shard selected without
+    its verifier is never restated: materialised again, it would no longer count as verified."""
+    if not options.skip_existing or not set(stages.resize) <= set(stages.verify):
         return None
     recorded = recorded_results(instance, keys, rel, stages)
     if recorded is None or not recorded.results:  # nothing on record to restate (e.g. resized alone)
@@ -339,22 +365,48 @@ def _current(instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stag
         layout, rel, stages, options
     ):
         return None
-    return recorded.results
+    return recorded
 
 
-def restated_events(rel: str, results: dict) -> Iterator[dg.AssetCheckEvaluation]:
-    """The recorded check results of an up-to-date shard, restated against the same materializations."""
-    for check_key, (passed, description, target) in results.items():
-        yield dg.AssetCheckEvaluation(
-            asset_key=check_key.asset_key,
-            check_name=check_key.name,
-            passed=passed,
+def restated_events(context, rel: str, recorded) -> Iterator:
+    """An up-to-date shard's selected assets materialised again with their recorded metadata (so every
+    view of the shard, failed partitions included, is as fresh as this run), and its recorded check
+    results restated against those new materializations."""
+    for key, record in recorded.materializations.items():  # in graph order: resized, verify, crop_bbox
+        previous = record.asset_materialization
+        yield dg.AssetMaterialization(
+            asset_key=key,
             partition=rel,
-            target_materialization_data=target,
-            severity=dg.AssetCheckSeverity.ERROR,
-            blocking=True,
-            description=f"restated, the shard is unchanged since run {target.run_id[:8]}: {description}"[:2000],
-            metadata={"restated_from_run": dg.MetadataValue.text(target.run_id)},
+            description=f"unchanged since run {record.run_id[:8]}",
+            metadata={**previous.metadata, "restated_from_run": dg.MetadataValue.text(record.run_id)},
+            tags=previous.tags,
+        )
+        target = target_data(latest_materialization(context.instance, key, rel))
+        for check_key, (passed, description, _) in recorded.results.items():
+            if check_key.asset_key != key:
+                continue
+            yield dg.AssetCheckEvaluation(
+                asset_key=key,
+                check_name=check_key.name,
+                passed=passed,
+                partition=rel,
+                target_materialization_data=target,
+                severity=dg.AssetCheckSeverity.ERROR,
+                blocking=True,
+                description=f"restated, the shard is unchanged since run {record.run_id[:8]}: {description}"[:2000],
+                metadata={"restated_from_run": dg.MetadataValue.text(record.run_id)},
+            )
+
+
+def removed_observations(context, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages) -> Iterator:
+    """A shard of the run that is no longer in main: nothing to build, and nothing fails (the discovery
+    sensor retires its partition); each selected asset says so."""
+    reason = f"{dataset.main.child(rel)} is no longer in the main dataset: skipped, its outputs are kept"
+    context.log.warning(reason)
+    selected = [*(keys.resized(r) for r in stages.resize), *(keys.verify(r) for r in stages.verify)]
+    for key in selected + ([keys.crop_bbox] if stages.crop else []):
+        yield dg.AssetObservation(
+            asset_key=key, partition=rel, description=reason, metadata={"skipped": dg.MetadataValue.text(reason)}
         )
 
 

@@ -265,7 +265,7 @@ class DatasetAudit:
 def evaluate(
     instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, own_run_id: str | None = None
 ) -> DatasetAudit:
-    """The audit over the current partitions (a shard removed from the partitions is not counted)."""
+    """The audit over the current partitions, and the shards removed from main (orphans)."""
     audit = DatasetAudit(keys.dataset)
     partitions = instance.get_dynamic_partitions(keys.partitions)
     audit.shards = len(partitions)  # less the orphans, below
@@ -275,10 +275,11 @@ def evaluate(
         audit.errors[resolution] = Counter()
         audit.not_verified[resolution] = []
     verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
+    # Removed shards: their partitions are retired, their outputs kept (orphans).
+    audit.orphans = sorted(rel for rel, shard in state.shards.items() if _removed(shard))
     for rel in partitions:
         shard = state.shards.get(rel, {})
-        if shard.get("removed_id", -1) > shard.get("main_id", -1):
-            audit.orphans.append(rel)
+        if _removed(shard):
             continue
         rows, size = shard.get("main", [0, 0])
         audit.main_rows += rows
@@ -310,9 +311,13 @@ def evaluate(
                 audit.crop_missing.append(rel)
             elif shard["crop"] < max(passed_at):
                 audit.crop_stale.append(rel)
-    audit.shards -= len(audit.orphans)
+    audit.shards -= len([rel for rel in partitions if _removed(state.shards.get(rel, {}))])
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit
+
+
+def _removed(shard: dict[str, Any]) -> bool:
+    return shard.get("removed_id", -1) > shard.get("main_id", -1)
 
 
 def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None) -> str | None:

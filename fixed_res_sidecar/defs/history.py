@@ -91,6 +91,7 @@ class Recorded:
 
     results: dict[dg.AssetCheckKey, tuple[bool, str, Any]]  # check -> (passed, description, target data)
     fingerprints: dict[str, str | None]  # output name -> fingerprint of the object the checks read
+    materializations: dict[dg.AssetKey, dg.EventLogRecord]  # selected asset -> its latest materialization
 
 
 def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, stages) -> Recorded | None:
@@ -134,7 +135,12 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
         for resolution in RESOLUTIONS:
             recorded = latest[keys.verify(resolution)].asset_materialization.metadata.get(VERIFIED_FINGERPRINT)
             fingerprints[f"resized_{resolution}"] = recorded.value if recorded is not None else None
-    return Recorded(results, fingerprints)
+    selected = [
+        *(keys.resized(r) for r in stages.resize),
+        *(keys.verify(r) for r in stages.verify),
+        *([keys.crop_bbox] if stages.crop else []),
+    ]
+    return Recorded(results, fingerprints, {key: latest[key] for key in selected})
 
 
 def latest_evaluation(instance: dg.DagsterInstance, check_key: dg.AssetCheckKey, rel: str):

@@ -59,3 +59,10 @@ def add_requests(
 ) -> list[dg.AddDynamicPartitionsRequest]:
     """Requests that add `new_keys`, at most ADD_CHUNK keys each."""
     return [partitions.build_add_request(chunk) for chunk in chunks(list(new_keys))]
+
+
+def retire_requests(
+    partitions: dg.DynamicPartitionsDefinition, removed_keys: Iterable[str]
+) -> list[dg.DeleteDynamicPartitionsRequest]:
+    """Requests that delete the partitions of shards removed from main, at most ADD_CHUNK keys each."""
+    return [partitions.build_delete_request(chunk) for chunk in chunks(list(removed_keys))]

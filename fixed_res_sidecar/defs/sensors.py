@@ -6,8 +6,9 @@ store: the listing's stamp, size and ETag or modification time, and the pass tha
 
 - a new shard becomes a partition (added in chunks of at most 10k keys);
 - a changed shard (another stamp: rewritten in place) is recorded again;
-- a shard that a complete pass no longer lists is recorded as removed; its outputs are kept
-  (the dataset audit lists them as orphans), and it is recorded again if it comes back.
+- a shard that a complete pass no longer lists is recorded as removed and its partition is
+  retired (deleted), so no backfill asks for it again; its outputs are kept (the dataset audit
+  lists them as orphans), and it becomes a partition again if it comes back.
 
 New and changed shards are recorded on `<dataset>/main` as runless materializations (row count,
 bytes, and their source fingerprint as the data version, so the UI shows main's shards as present
@@ -39,6 +40,7 @@ from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.defs.partitions import (
     add_requests,
     partition_key_problem,
+    retire_requests,
     shard_partitions,
 )
 from fixed_res_sidecar.defs.resources import SidecarRuntime
@@ -249,7 +251,10 @@ def discovery_tick(
     order = [*known, *found.new]
     result = dg.SensorResult(
         run_requests=shard_run_requests(dataset, [*found.new, *found.changed], order),
-        dynamic_partitions_requests=add_requests(shard_partitions(keys), found.new),
+        dynamic_partitions_requests=[
+            *add_requests(shard_partitions(keys), found.new),
+            *retire_requests(shard_partitions(keys), found.removed),
+        ],
         asset_events=main_events(keys, dataset.main, found, observe_threads),
         cursor=found.cursor.to_json(),
     )

@@ -65,6 +65,21 @@ class ShardOutcome:
     fingerprints: dict[str, str | None] = field(default_factory=dict)
     seconds: float = 0.0
 
+    def problems(self) -> list[str]:
+        """Why this shard did not come through every stage it was asked for, one line per stage
+        (empty when it did): what fails this shard, and only this shard, in a run over many."""
+        problems = [f"not resized: {self.resize_problem}"] if self.resize_problem else []
+        for resolution, report in self.reports.items():
+            if not report.passed:
+                problems.append(f"verify_{resolution} failed {', '.join(c.name for c in report.failed_checks)}")
+        if self.crop_refused:
+            problems.append(f"crop_bbox refused: {'; '.join(self.crop_refused)}")
+        elif self.crop_problem:
+            problems.append(f"crop_bbox not built: {self.crop_problem}")
+        elif self.crop_report is not None and not self.crop_report.passed:
+            problems.append(f"crop_bbox failed {', '.join(c.name for c in self.crop_report.failed_checks)}")
+        return problems
+
 
 def run_stages(
     layout: DatasetLayout,

@@ -56,8 +56,8 @@ def audited_demo(tmp_path_factory) -> Path:
             job = defs.resolve_job_def(KEYS.shard_job)
             for selection, ok in (
                 ([KEYS.verify("512")], False),
-                ([KEYS.crop_bbox], True),
-            ):  # verify fails, crop refused
+                ([KEYS.crop_bbox], False),
+            ):  # verify fails, crop refused (both runs fail, naming the shard)
                 result = job.execute_in_process(
                     partition_key=DAMAGED,
                     instance=instance,

@@ -117,3 +117,22 @@ def swap_two_keys(location: Location, rel: str) -> None:
 
     damaged = table.set_column(0, table.schema.field(0), pa.array(keys, table.schema.field(0).type))
     pq.write_table(damaged.replace_schema_metadata(table.schema.metadata), path)
+
+
+def failed_partitions(instance, defs: dg.Definitions, asset_keys) -> dict[str, set[str]]:
+    """Asset (text) -> its shards the UI shows Failed: Dagster's own partition status computation
+    (the latest planned materialization has none after it, and its run failed)."""
+    import asyncio
+
+    from dagster._core.loader import LoadingContextForTest
+    from dagster._core.storage.partition_status_cache import get_partition_subsets
+
+    graph = defs.resolve_asset_graph()
+    failed = {}
+    for key in asset_keys:
+        partitions = graph.get(key).partitions_def
+        _, subset, _ = asyncio.run(
+            get_partition_subsets(instance, LoadingContextForTest(instance), key, instance, partitions)
+        )
+        failed[key.to_user_string()] = set(subset.get_partition_keys())
+    return failed

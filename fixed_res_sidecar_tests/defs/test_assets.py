@@ -18,6 +18,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     TINY_SHARDS,
     check_partition_status,
     dataset_entry,
+    failed_partitions,
     make_config,
     register,
     run_shard,
@@ -38,6 +39,11 @@ def materialized(result: dg.ExecuteInProcessResult) -> set[dg.AssetKey]:
 def metadata_of(result: dg.ExecuteInProcessResult, key: dg.AssetKey) -> dict:
     (event,) = [e for e in result.get_asset_materialization_events() if e.asset_key == key]
     return {k: v.value for k, v in event.materialization.metadata.items()}
+
+
+def restated(result: dg.ExecuteInProcessResult, key: dg.AssetKey) -> str | None:
+    """The run whose materialization of `key` this run restated (None: it made a new one)."""
+    return metadata_of(result, key).get("restated_from_run")
 
 
 def test_graph_shape():
@@ -105,9 +111,10 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     assert crop["passed"] and "data:image/webp;base64," in crop["overlays"]
     assert Path(crop["overlay_full_size"]).is_file()  # locally, the path of the full-size picture
 
-    # A second run of the shard builds nothing (its outputs are up to date) and restates its results.
+    # A second run of the shard builds nothing (its outputs are up to date) and restates its results:
+    # the same materializations again, each saying which run made it.
     again = run_shard(tiny_defs, instance, "tiny__shard", rel)
-    assert again.success and not materialized(again)
+    assert again.success and all(restated(again, key) == result.run_id for key in materialized(result))
     assert all(e.passed and "restated_from_run" in e.metadata for e in again.get_asset_check_evaluations())
 
 
@@ -172,17 +179,21 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     assert len(failed) == 8 and all(e.partition == "broken.parquet" for e in failed)
     assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
     assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
-    refusal(result, "broken.parquet", run_succeeded=False)
+    refusal(result, "broken.parquet")
 
 
-def refusal(result: dg.ExecuteInProcessResult, rel: str, run_succeeded: bool = True) -> str:
-    """The reason a crop_bbox run refused shard `rel`: nothing materialised, an observation says why."""
-    assert result.success is run_succeeded
+def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
+    """The reason a crop_bbox run refused shard `rel`: nothing materialised, an observation says why,
+    and the run failed naming the shard (a refusal is never a green run)."""
+    assert not result.success
     crops = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
     assert not [m for m in crops if m.asset_key == KEYS.crop_bbox and m.partition == rel]
     (observation,) = [e.asset_observation_data.asset_observation for e in result.get_asset_observation_events()]
     assert observation.asset_key == KEYS.crop_bbox and observation.partition == rel
     assert observation.metadata["gate"].value == "refused: nothing built"
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    message = failure.event_specific_data.error.message
+    assert f"{rel}: " in message and "crop_bbox refused" in message
     return observation.description
 
 
@@ -217,7 +228,7 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
 
     # In the same run: the whole shard job; the damaged shard stops at its verifier.
     bad_run = run_shard(tiny_defs, instance, "tiny__shard", bad)
-    assert "keys_match" in refusal(bad_run, bad, run_succeeded=False)  # no crop_bbox, and why
+    assert "keys_match" in refusal(bad_run, bad)  # no crop_bbox, and why
     good_run = run_shard(tiny_defs, instance, "tiny__shard", good)
     assert good_run.success and KEYS.crop_bbox in materialized(good_run)
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {good}
@@ -311,7 +322,7 @@ def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path
         assert {e.partition for e in batch.get_asset_check_evaluations()} == set(shards)
         batch_statuses = check_partition_status(instance, ALL_CHECK_KEYS, shards)
         assert instance.get_materialized_partitions(KEYS.crop_bbox) == set(shards) - {damaged}
-        assert "keys_match" in refusal(batch, damaged, run_succeeded=False)
+        assert "keys_match" in refusal(batch, damaged)
 
     # Exactly what one-shard runs record (a fresh instance; the same outputs are kept).
     with dg.instance_for_test() as single:
@@ -338,7 +349,11 @@ def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, in
     before = output_files(tmp_path / "out")
 
     again = run_batch(defs, instance, order[0], order[-1])
-    assert again.success and not again.get_asset_materialization_events()  # nothing built or re-verified
+    assert again.success  # nothing built or re-verified: the same materializations restated
+    restated_runs = {
+        e.materialization.metadata["restated_from_run"].value for e in again.get_asset_materialization_events()
+    }
+    assert restated_runs == {first.run_id} and len(again.get_asset_materialization_events()) == 2 * 5
     assert output_files(tmp_path / "out") == before
     restated = again.get_asset_check_evaluations()
     assert len(restated) == 2 * 13 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
@@ -370,3 +385,61 @@ def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_resu
     faulty_s3.inject(no_get)  # storage is back: a rerun gives the verdict
     rerun = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
     assert rerun.success and all(e.passed for e in rerun.get_asset_check_evaluations())
+
+
+SHARD_ASSETS = [*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS), KEYS.crop_bbox]
+
+
+def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(tmp_path, instance):
+    """A batch whose shards were up to date but one, which was damaged since: only that shard's
+    crop_bbox shows Failed and only its verifier check failed; the run names it alone; once it is
+    repaired a batch over all of them leaves nothing Failed (restating clears the old failure)."""
+    main = Location.parse(tmp_path / "main")
+    shards = ["d1.parquet", "d2.parquet", "d3.parquet", "d4.parquet"]
+    write_tiny(main, shards=shards)
+    config = make_config(dataset_entry("tiny", main, tmp_path / "out", shards_per_run=4))
+    defs, dataset = build_definitions(config), config.datasets[0]
+    register(instance, config)
+    order = instance.get_dynamic_partitions("tiny_shards")
+    assert run_batch(defs, instance, order[0], order[-1]).success
+    damaged = shards[2]
+    swap_two_keys(dataset.output("resized_512"), damaged)
+
+    batch = run_batch(defs, instance, order[0], order[-1])
+    assert not batch.success
+    failed = failed_partitions(instance, defs, SHARD_ASSETS)
+    assert failed == {**{k.to_user_string(): set() for k in SHARD_ASSETS}, "tiny/crop_bbox": {damaged}}
+    failure = next(e for e in batch.all_events if e.event_type_value == "STEP_FAILURE")
+    assert failure.event_specific_data.error.message.startswith(
+        f"dagster._core.definitions.events.Failure: 1 of 4 shard(s) failed: {damaged}: verify_512 failed keys_match"
+    )
+    statuses = check_partition_status(instance, ALL_CHECK_KEYS, shards)
+    assert {key for key, status in statuses.items() if status == "FAILED"} == {("tiny/verify_512:keys_match", damaged)}
+    assert {key[1] for key, status in statuses.items() if status != "SUCCEEDED"} == {damaged}
+    logs = [record.user_message for record in instance.all_logs(batch.run_id)]
+    assert not [line for line in logs if "did not yield or return expected outputs" in line]
+
+    Path(dataset.output("resized_512").child(damaged)).unlink()  # the repair: rebuilt by the next run
+    repaired = run_batch(defs, instance, order[0], order[-1])
+    assert repaired.success
+    assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
+    assert set(check_partition_status(instance, ALL_CHECK_KEYS, shards).values()) == {"SUCCEEDED"}
+
+
+def test_a_shard_removed_from_main_is_skipped_and_its_batch_goes_on(tmp_path, instance):
+    main = Location.parse(tmp_path / "main")
+    shards = ["r1.parquet", "r2.parquet", "r3.parquet"]
+    write_tiny(main, shards=shards)
+    config = make_config(dataset_entry("tiny", main, tmp_path / "out", shards_per_run=3))
+    defs = build_definitions(config)
+    register(instance, config)
+    order = instance.get_dynamic_partitions("tiny_shards")
+    Path(main.child(shards[1])).unlink()
+
+    batch = run_batch(defs, instance, order[0], order[-1])
+    assert batch.success
+    assert {e.partition for e in batch.get_asset_materialization_events()} == {shards[0], shards[2]}
+    skipped = [e.asset_observation_data.asset_observation for e in batch.get_asset_observation_events()]
+    assert {(o.asset_key, o.partition) for o in skipped} == {(key, shards[1]) for key in SHARD_ASSETS}
+    assert all("is no longer in the main dataset: skipped" in o.description for o in skipped)
+    assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}

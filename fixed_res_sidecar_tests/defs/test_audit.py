@@ -40,7 +40,7 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     # One resized shard loses its key order: its verifier fails, crop_bbox alone is refused.
     swap_two_keys(dataset.output("resized_512"), BAD)
     assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.verify("512")]).success
-    assert run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.crop_bbox]).success  # refused, recorded
+    assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.crop_bbox]).success  # refused: fails
     evaluation, metadata = run_audit(tiny_defs, instance)
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
     assert f"tiny/verify_512:keys_match FAILED on 1 shard(s): {BAD}" in evaluation.description

@@ -49,7 +49,8 @@ def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str 
 
 def requested(result: dg.SensorResult) -> list[str]:
     """The shards a tick's run requests cover, in order: a request is one shard, or a range of new ones."""
-    new = [k for r in result.dynamic_partitions_requests or [] for k in r.partition_keys]
+    added = [r for r in result.dynamic_partitions_requests or [] if isinstance(r, dg.AddDynamicPartitionsRequest)]
+    new = [k for r in added for k in r.partition_keys]
     shards = []
     for request in result.run_requests or []:
         if request.partition_key is not None:
@@ -258,19 +259,30 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
         new = tree_snapshot(location.path)
         assert {rel for rel in new if new[rel] != old.get(rel)} == {changed}, location.uri
 
-    # Removed from main: recorded, its outputs kept, and the audit warns naming it.
+    # Removed from main: recorded, its partition retired (no backfill asks for it again), its outputs
+    # kept, and the audit warns naming it.
     Path(tiny_main.child(other)).unlink()
     third = tick(sensor, instance, second.cursor)
     assert not third.run_requests
     (removed,) = third.asset_events
     assert removed.partition == other and removed.metadata[REMOVED].value is True
+    (retire,) = third.dynamic_partitions_requests
+    assert isinstance(retire, dg.DeleteDynamicPartitionsRequest) and list(retire.partition_keys) == [other]
     apply_sensor_result(instance, third)
+    assert instance.get_dynamic_partitions(keys.partitions) == [changed]
     assert all(location.exists(other) for location in outputs)
     audit = defs.resolve_job_def(keys.audit_job).execute_in_process(instance=instance, run_config=QUIET)
     (evaluation,) = audit.get_asset_check_evaluations()
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
     assert "1 shard(s) removed from main, their outputs kept" in evaluation.description
     assert other in evaluation.description and changed not in evaluation.description
+
+    # It comes back: a partition again, built again.
+    write_tiny(tiny_main, shards=(other,))
+    fourth = tick(sensor, instance, third.cursor)
+    apply_sensor_result(instance, fourth)
+    assert set(instance.get_dynamic_partitions(keys.partitions)) == {changed, other}
+    assert requested(fourth) == [other]
 
 
 def test_100k_shards_are_taken_in_bounded_ticks_and_one_change_or_removal_among_them_is_found(tmp_path, instance):
