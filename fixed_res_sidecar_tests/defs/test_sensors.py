@@ -255,6 +255,8 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     checks = [e for e in result.get_asset_check_evaluations() if e.partition == changed]
     assert checks and all(e.passed for e in checks), [e.check_name for e in checks if not e.passed]
     assert {stale_status(defs, instance, key, changed) for key in resized} == {StaleStatus.FRESH}
+    defs.resolve_job_def(keys.audit_job).execute_in_process(instance=instance, run_config=QUIET)
+    assert stale_status(defs, instance, keys.audit, None) == StaleStatus.FRESH  # the audit is in sync too
     for location, old in zip(outputs, before):  # that shard, and only it, was written again
         new = tree_snapshot(location.path)
         assert {rel for rel in new if new[rel] != old.get(rel)} == {changed}, location.uri
