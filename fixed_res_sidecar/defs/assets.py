@@ -33,10 +33,10 @@ from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.overlay import embeddable
 from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.checks import (
-    audit_check_result,
+    audit_check_results,
     check_evaluations,
     crop_check_specs,
-    dataset_audit_check_spec,
+    dataset_audit_check_specs,
     examples_table,
     report_counts,
     resized_check_specs,
@@ -464,7 +464,7 @@ def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
         # It follows main through the outputs, which are rebuilt when main changes.
         deps=[*(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox],
         group_name=keys.group,
-        check_specs=[dataset_audit_check_spec(keys)],
+        check_specs=dataset_audit_check_specs(keys),
         description=(
             f"The audit of {dataset.name}: shards, rows and bytes of main and every output, valid and invalid rows "
             "per error code and resolution, and the shards whose checks failed or whose crop_bbox is missing, "
@@ -476,7 +476,7 @@ def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
     def _audit(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
         audit = audit_dataset(context.instance, keys, own_run_id=context.run.run_id)
         context.log.info(audit.description())
-        return dg.MaterializeResult(metadata=audit.metadata(), check_results=[audit_check_result(keys, audit)])
+        return dg.MaterializeResult(metadata=audit.metadata(), check_results=audit_check_results(keys, audit))
 
     return _audit
 

@@ -7,11 +7,14 @@ was read before is kept, per shard, in the instance's key-value store with a cur
 and one for the checks, so each run reads only the events recorded since the last one (the
 first run reads everything once). Its verdict:
 
+Two checks carry it, so that each label says what it means: `dataset_audit` (ERROR severity)
+and `dataset_complete` (WARN severity):
+
 - ERROR when a shard's latest blocking check failed (a verifier's or the sidecar's), or when a
   finished shard (both verifiers passed on its current build) has no crop_bbox, or one older than
   its latest passed verification, and nothing of the dataset is still running;
-- WARN while work is under way (runs or backfills of the dataset unfinished), shards were never
-  built or verified, or shards were removed from main (their outputs are kept: orphans, listed);
+- incomplete (WARN) while work is under way (runs or backfills of the dataset unfinished), shards were
+  never built or verified, or shards were removed from main (their outputs are kept: orphans, listed);
 - passed otherwise.
 """
 
@@ -172,11 +175,19 @@ class DatasetAudit:
         return bool(self.failed_shards or finished_without_crop)
 
     @property
-    def passed(self) -> bool:
+    def complete(self) -> bool:
         incomplete = any(self.not_verified.get(r) for r in RESOLUTIONS) or self.crop_missing or self.crop_stale
-        return not (self.error or incomplete or self.orphans) and self.under_way is None and self.shards > 0
+        return not (incomplete or self.orphans) and self.under_way is None and self.shards > 0
 
-    def description(self) -> str:
+    @property
+    def passed(self) -> bool:
+        return self.complete and not self.error
+
+    def verdict(self) -> str:
+        return "FAILED" if self.error else "passed" if self.passed else "incomplete"
+
+    def description(self, verdict: str | None = None) -> str:
+        """The audit in words, under `verdict` (default: the overall one)."""
         if self.shards == 0:
             return f"{self.dataset}: no shards yet (the discovery sensor adds them as partitions)"
         parts = []
@@ -200,7 +211,7 @@ class DatasetAudit:
             )
         if self.under_way:
             parts.append(f"under way: {self.under_way}")
-        verdict = "FAILED" if self.error else "passed" if self.passed else "incomplete"
+        verdict = verdict or self.verdict()
         totals = "; ".join(f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTIONS)
         head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_built} with crop_bbox; {totals}"
         return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")

@@ -10,7 +10,8 @@ to Dagster and turns a `ShardReport` into check results:
   condition of `crop_bbox` waits for them to pass.
 - `<dataset>/crop_bbox` carries the sidecar checks (columns, keys, boxes, meta against the
   audits).
-- `<dataset>/audit` carries `dataset_audit`, the verdict of the dataset audit (defs/audit.py).
+- `<dataset>/audit` carries `dataset_audit` (failed shards, ERROR) and `dataset_complete` (work left,
+  WARN): the verdicts of the dataset audit (defs/audit.py).
 """
 
 import json
@@ -45,6 +46,7 @@ CROP_CHECK_DESCRIPTIONS = {
     verify.META_MATCHES_AUDIT: "bbox_resize_meta's validity, sizes, crop box and scale agree with both resize audits.",
 }
 DATASET_AUDIT_CHECK = "dataset_audit"
+DATASET_COMPLETE_CHECK = "dataset_complete"
 
 
 def partitioned_check_spec(
@@ -185,23 +187,45 @@ def target_data(record: dg.EventLogRecord | None):
 # -- the dataset audit ----------------------------------------------------------------------
 
 
-def dataset_audit_check_spec(keys: DatasetKeys) -> dg.AssetCheckSpec:
-    return dg.AssetCheckSpec(
-        DATASET_AUDIT_CHECK,
-        asset=keys.audit,
-        description=(
-            "The dataset audit (defs/audit.py): fails when a shard's latest blocking check failed or a finished "
-            "shard lacks its crop_bbox; warns while work is under way or shards were never built or verified."
+def dataset_audit_check_specs(keys: DatasetKeys) -> list[dg.AssetCheckSpec]:
+    return [
+        dg.AssetCheckSpec(
+            DATASET_AUDIT_CHECK,
+            asset=keys.audit,
+            description=(
+                "The dataset audit (defs/audit.py): fails when a shard's latest blocking check failed or a finished "
+                "shard lacks its crop_bbox (or has one older than its verification)."
+            ),
         ),
-    )
+        dg.AssetCheckSpec(
+            DATASET_COMPLETE_CHECK,
+            asset=keys.audit,
+            description=(
+                "Whether the dataset is complete: every shard built, verified and cropped, nothing under way, no "
+                "shard removed from main with outputs left (orphans). A warning, never an error."
+            ),
+        ),
+    ]
 
 
-def audit_check_result(keys: DatasetKeys, audit) -> dg.AssetCheckResult:
-    return dg.AssetCheckResult(
-        asset_key=keys.audit,
-        check_name=DATASET_AUDIT_CHECK,
-        passed=audit.passed,
-        severity=dg.AssetCheckSeverity.ERROR if audit.error else dg.AssetCheckSeverity.WARN,
-        description=audit.description()[:4000],
-        metadata=audit.verdict_metadata(),
-    )
+def audit_check_results(keys: DatasetKeys, audit) -> list[dg.AssetCheckResult]:
+    """The audit's two verdicts: failed shards (ERROR) and completeness (WARN), each labelled for what it says."""
+    metadata = audit.verdict_metadata()
+    return [
+        dg.AssetCheckResult(
+            asset_key=keys.audit,
+            check_name=DATASET_AUDIT_CHECK,
+            passed=not audit.error,
+            severity=dg.AssetCheckSeverity.ERROR,
+            description=audit.description("FAILED" if audit.error else "passed")[:4000],
+            metadata=metadata,
+        ),
+        dg.AssetCheckResult(
+            asset_key=keys.audit,
+            check_name=DATASET_COMPLETE_CHECK,
+            passed=audit.complete,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=audit.description("complete" if audit.complete else "incomplete")[:4000],
+            metadata=metadata,
+        ),
+    ]

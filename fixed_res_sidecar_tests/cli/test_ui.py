@@ -1,12 +1,15 @@
 """`sidecar-ops ui` and what an auditor sees in it: a real `dagster dev`, a real Chromium.
 
-The demo's data with one damaged shard: its verifier fails and its crop_bbox is refused. In
-the browser the dataset audit's check page shows the totals and the failing shard by name, the
-crop_bbox page shows an overlay picture at least 600 px wide, a run launched from an asset page
-carries the dataset tag, and the project's metadata raises no console errors.
+The demo's data, then one batch run over both shards after one of them was damaged: its verifier
+fails and its crop_bbox is refused, its neighbour is restated. In the browser the dataset audit's
+check page shows the totals and the failing shard by name, the crop_bbox page shows an overlay
+picture at least 600 px wide, a run launched from an asset page carries the dataset tag, and the
+project's metadata raises no console errors. Per-shard truth: every "Failed" filter selects the
+damaged shard alone, and after the repair every view is green.
 """
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from fixed_res_sidecar import demo
 from fixed_res_sidecar.defs.config import load_config
@@ -41,6 +45,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_batch(defs: dg.Definitions, instance) -> dg.ExecuteInProcessResult:
+    """One run of the shard job over every shard, as a backfill's batch is."""
+    order = instance.get_dynamic_partitions(KEYS.partitions)
+    return defs.resolve_job_def(KEYS.shard_job).execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        run_config=QUIET,
+        tags={ASSET_PARTITION_RANGE_START_TAG: order[0], ASSET_PARTITION_RANGE_END_TAG: order[-1]},
+    )
+
+
 @pytest.fixture(scope="module")
 def audited_demo(tmp_path_factory) -> Path:
     """A demo work dir whose shard DAMAGED failed its verifier; the audit ran afterwards."""
@@ -53,19 +68,9 @@ def audited_demo(tmp_path_factory) -> Path:
         defs = build_definitions(load_config(summary.config_file))
         swap_two_keys(dataset.output("resized_512"), DAMAGED)
         with dg.DagsterInstance.from_config(str(summary.dagster_home)) as instance:
-            job = defs.resolve_job_def(KEYS.shard_job)
-            for selection, ok in (
-                ([KEYS.verify("512")], False),
-                ([KEYS.crop_bbox], False),
-            ):  # verify fails, crop refused (both runs fail, naming the shard)
-                result = job.execute_in_process(
-                    partition_key=DAMAGED,
-                    instance=instance,
-                    asset_selection=selection,
-                    raise_on_error=False,
-                    run_config=QUIET,
-                )
-                assert result.success is ok
+            # One batch over both shards: the damaged one fails (verifier, then the crop is refused),
+            # its up-to-date neighbour is restated.
+            assert not run_batch(defs, instance).success
             defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
     finally:
         if previous is not None:
@@ -182,3 +187,74 @@ def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
     project_errors = [e for e in page.errors if "Failed to load resource" not in e]
     assert project_errors == [], project_errors
     print("page load seconds:", page.load_seconds)
+
+
+STATUSES = {
+    "check": ["Execution Failed", "Failed", "In Progress", "Missing", "Skipped", "Passed"],
+    "asset": ["Failed", "Materialized", "Materializing", "Missing"],
+}
+
+
+def shards_with_status(page: Page, path: str, kind: str, status: str, shards: list[str]) -> list[str]:
+    """The shards a Partitions tab lists with only the `status` filter ticked (the UI's status preset)."""
+    if kind == "check":
+        page.open(path, "Execution history")
+        page.page.get_by_role("tab", name="Partitions").last.click()  # the check's tab, not the asset's
+    else:
+        page.open(path, "Partitions Selected")
+    page.page.get_by_text("Partitions Selected").first.wait_for(timeout=30_000)
+    for other in STATUSES[kind]:
+        box = page.page.get_by_text(re.compile(rf"^{re.escape(other)} \(\d+\)$"))
+        box.first.wait_for(timeout=30_000)
+        if other != status:
+            box.first.click()
+    page.page.wait_for_timeout(1000)
+    rows = page.page.locator("[class*='VirtualizedTable_row'] [class*='MiddleTruncate_measure']")
+    listed = [rows.nth(i).text_content() for i in range(rows.count())]
+    return [rel for rel in shards if rel in listed]
+
+
+def check_partitions(name: str, asset: str = "verify_512") -> str:
+    return f"/assets/sample/{asset}?view=checks&checkDetail={name}"
+
+
+def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, browser):
+    base, workdir = ui
+    page = Page(browser, base)
+    shards = ["part-00000.parquet", DAMAGED]
+    # The damaged shard alone: its verifier check failed, its crop_bbox failed (refused, in a failed run)
+    # and its sidecar checks did not run in that run; the restated neighbour is green everywhere.
+    assert shards_with_status(page, check_partitions("keys_match"), "check", "Failed", shards) == [DAMAGED]
+    assert shards_with_status(page, check_partitions("keys_match"), "check", "Passed", shards) == [shards[0]]
+    assert shards_with_status(page, "/assets/sample/crop_bbox?view=partitions", "asset", "Failed", shards) == [DAMAGED]
+    assert shards_with_status(page, "/assets/sample/verify_512?view=partitions", "asset", "Failed", shards) == []
+    assert shards_with_status(
+        page, check_partitions("boxes_valid", "crop_bbox"), "check", "Execution Failed", shards
+    ) == [DAMAGED]
+    page.shot("batch-failed-preset")
+    page.open("/assets/sample/audit?view=checks", "dataset_complete")
+    text = page.text_when(["dataset_audit", "dataset_complete"], timeout=30)
+    assert "dataset_audit\nFailed" in text
+    page.shot("batch-audit-before-repair")
+
+    # The repair: the damaged resized shard is rebuilt by a batch over both, then the audit runs.
+    config = load_config(workdir / "datasets.yaml")
+    defs = build_definitions(config)
+    Path(config.dataset("sample").output("resized_512").child(DAMAGED)).unlink()
+    with dg.DagsterInstance.from_config(str(workdir / "dagster_home")) as instance:
+        assert run_batch(defs, instance).success
+        defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
+    for path, kind in [
+        (check_partitions("keys_match"), "check"),
+        (check_partitions("boxes_valid", "crop_bbox"), "check"),
+        ("/assets/sample/crop_bbox?view=partitions", "asset"),
+        ("/assets/sample/verify_512?view=partitions", "asset"),
+    ]:
+        failed = [status for status in ("Failed", "Execution Failed") if status in STATUSES[kind]]
+        for status in failed:
+            assert shards_with_status(page, path, kind, status, shards) == [], (path, status)
+    assert shards_with_status(page, check_partitions("keys_match"), "check", "Passed", shards) == shards
+    page.open("/assets/sample/audit?view=checks", "dataset_complete")
+    text = page.text_when(["dataset_audit\nSucceeded", "dataset_complete\nSucceeded"], timeout=30)
+    assert "dataset_audit\nSucceeded" in text and "dataset_complete\nSucceeded" in text, text[-800:]
+    page.shot("batch-after-repair")

@@ -12,26 +12,31 @@ KEYS = DatasetKeys("tiny")
 GOOD, BAD = "part-a.parquet", "nested/x/part-b.parquet"
 
 
-def run_audit(defs: dg.Definitions, instance) -> tuple[dg.AssetCheckEvaluation, dict]:
+def run_audit(defs: dg.Definitions, instance) -> tuple[dg.AssetCheckEvaluation, dg.AssetCheckEvaluation, dict]:
+    """The audit's two verdicts (dataset_audit: failed shards, ERROR; dataset_complete: work left, WARN)
+    and its numbers."""
     result = defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, raise_on_error=False)
-    assert result.success  # the audit's verdict is its check, not the run
-    (evaluation,) = result.get_asset_check_evaluations()
+    assert result.success  # the audit's verdict is its checks, not the run
+    audit, complete = sorted(result.get_asset_check_evaluations(), key=lambda e: e.check_name)
+    assert (audit.check_name, audit.severity) == ("dataset_audit", dg.AssetCheckSeverity.ERROR)
+    assert (complete.check_name, complete.severity) == ("dataset_complete", dg.AssetCheckSeverity.WARN)
     (materialization,) = result.get_asset_materialization_events()
     metadata = {k: v.value for k, v in materialization.materialization.metadata.items()}
-    return evaluation, metadata
+    return audit, complete, metadata
 
 
 def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
     register(instance, tiny_config)
-    evaluation, metadata = run_audit(tiny_defs, instance)
-    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN  # nothing built yet
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert audit.passed and not complete.passed  # nothing built yet: nothing failed, not complete
+    assert audit.description.startswith("tiny passed") and complete.description.startswith("tiny incomplete")
     assert metadata["shards"] == 2 and metadata["512_not_verified_shards"] == 2
 
     for rel in (GOOD, BAD):
         assert run_shard(tiny_defs, instance, "tiny__shard", rel).success
-    evaluation, metadata = run_audit(tiny_defs, instance)
-    assert evaluation.passed, evaluation.description
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert audit.passed and complete.passed, complete.description
     rows = {r: metadata[f"{r}_valid_rows"] + metadata[f"{r}_invalid_rows"] for r in RESOLUTIONS}
     assert rows == {"512": 2 * TINY_ROWS, "1024": 2 * TINY_ROWS} and metadata["main_rows"] == 2 * TINY_ROWS
     assert metadata["512_invalid_rows"] == sum(metadata[f"512_invalid_{c}"] for c in ("missing_image", "decode_error"))
@@ -41,18 +46,18 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     swap_two_keys(dataset.output("resized_512"), BAD)
     assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.verify("512")]).success
     assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.crop_bbox]).success  # refused: fails
-    evaluation, metadata = run_audit(tiny_defs, instance)
-    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-    assert f"tiny/verify_512:keys_match FAILED on 1 shard(s): {BAD}" in evaluation.description
+    audit, _, metadata = run_audit(tiny_defs, instance)
+    assert not audit.passed and audit.description.startswith("tiny FAILED")
+    assert f"tiny/verify_512:keys_match FAILED on 1 shard(s): {BAD}" in audit.description
     assert metadata["failed_shards"] == 1
-    (problem,) = [r.data for r in evaluation.metadata["problem_shards"].records]
+    (problem,) = [r.data for r in audit.metadata["problem_shards"].records]
     assert problem == {"shard": BAD, "problem": "tiny/verify_512:keys_match failed"}
 
     # Repaired: the damaged shard is rebuilt and verified, its crop_bbox follows; the audit passes.
     Path(dataset.output("resized_512").child(BAD)).unlink()
     assert run_shard(tiny_defs, instance, "tiny__shard", BAD).success
-    evaluation, metadata = run_audit(tiny_defs, instance)
-    assert evaluation.passed, evaluation.description
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert audit.passed and complete.passed, audit.description
     assert metadata["failed_shards"] == 0 and metadata["512_verified_shards"] == 2
 
 
@@ -62,16 +67,16 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
         selection = [*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS)]
         assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=selection).success
     assert run_shard(tiny_defs, instance, "tiny__shard", GOOD, selection=[KEYS.crop_bbox]).success
-    evaluation, _ = run_audit(tiny_defs, instance)
-    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-    assert f"1 verified shard(s) without crop_bbox: {BAD}" in evaluation.description
+    audit, _, _ = run_audit(tiny_defs, instance)
+    assert not audit.passed
+    assert f"1 verified shard(s) without crop_bbox: {BAD}" in audit.description
 
     # A run of the dataset not finished yet: work is under way, so only a warning.
     job = tiny_defs.resolve_job_def("tiny__shard")
     instance.create_run_for_job(job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
-    evaluation, _ = run_audit(tiny_defs, instance)
-    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.WARN
-    assert evaluation.metadata["under_way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
+    audit, complete, _ = run_audit(tiny_defs, instance)
+    assert audit.passed and not complete.passed
+    assert complete.metadata["under_way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
 
 
 def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, tiny_defs, instance):
