@@ -191,29 +191,39 @@ class Location:
 
         Hidden folders are skipped; a folder whose every path sorts at or before `start_after` is
         not read at all, so a tick that resumes late in a large dataset does not walk it whole.
+
+        A folder that cannot be read (no permission, vanished meanwhile, an I/O error) raises
+        StorageError naming it: leaving it out would make its shards look removed. Only a root
+        that does not exist lists as empty, as an S3 prefix without objects does (an output
+        before its first shard).
         """
         found, links = [], {}
         folders = [""]
         while folders:
             folder = folders.pop()
+            path = os.path.join(self.path, folder) if folder else self.path
             try:
-                entries = list(os.scandir(os.path.join(self.path, folder)))
-            except OSError:  # vanished or unreadable meanwhile: as os.walk, list what can be listed
-                continue
-            for entry in entries:
-                rel = f"{folder}/{entry.name}" if folder else entry.name
-                is_dir = entry.is_dir()  # a link to a folder counts as a folder, as os.walk sees it
-                if is_dir and entry.name.startswith("."):
-                    continue
-                if entry.is_symlink():  # never followed
-                    if is_dir or _is_shard(rel, suffix):
-                        links[rel] = os.readlink(entry.path)
-                elif is_dir:
-                    if start_after is None or not _sorts_before(rel + "/", start_after):
-                        folders.append(rel)
-                elif _is_shard(rel, suffix) and (start_after is None or rel > start_after):
-                    stat = entry.stat(follow_symlinks=False)
-                    found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
+                entries = list(os.scandir(path))
+                for entry in entries:
+                    rel = f"{folder}/{entry.name}" if folder else entry.name
+                    is_dir = entry.is_dir()  # a link to a folder counts as a folder, as os.walk sees it
+                    if is_dir and entry.name.startswith("."):
+                        continue
+                    if entry.is_symlink():  # never followed
+                        if is_dir or _is_shard(rel, suffix):
+                            links[rel] = os.readlink(entry.path)
+                    elif is_dir:
+                        if start_after is None or not _sorts_before(rel + "/", start_after):
+                            folders.append(rel)
+                    elif _is_shard(rel, suffix) and (start_after is None or rel > start_after):
+                        stat = entry.stat(follow_symlinks=False)
+                        found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
+            except OSError as exc:
+                if not folder and not os.path.lexists(path):
+                    break  # the root does not exist: no shards
+                raise StorageError(
+                    f"storage failed listing {path} (in {self.uri}): {describe_exception(exc, 300)}"
+                ) from exc
         found.sort()
         return found, dict(sorted(links.items()))
 

@@ -28,6 +28,7 @@ from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
     first_get_of_each_key,
     small_ranges_first_attempt,
 )
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 
 REL = "nested/b/part-00002.parquet"
 
@@ -114,6 +115,18 @@ def test_verify_resized_fails_naming_the_damaged_shard(paths, capsys):
     out = capsys.readouterr().out
     assert f"FAILED keys_match on {REL}: {path}: row 0" in out
     assert "2 passed, 1 failed" in out and out.strip().endswith("FAILED")
+
+
+@pytest.mark.parametrize("command", ["verify-resized", "verify-crop-bbox"])
+def test_a_main_folder_that_cannot_be_listed_is_no_pass(paths, capsys, command):
+    """Reported: a main subfolder that could not be listed was skipped, and the verifier said PASSED."""
+    folder = paths["main"] / "nested"
+    args = resized_args(paths, "512") if command == "verify-resized" else crop_args(paths)
+    with unreadable(folder), permission_checks_enforced():
+        assert run(*args) == STORAGE_FAILED
+    captured = capsys.readouterr()
+    assert f"storage failed listing {folder} " in captured.err and "Permission denied" in captured.err
+    assert "PASSED" not in captured.out
 
 
 def test_verify_resized_reports_missing_shards(paths, capsys):

@@ -10,6 +10,7 @@ from fixed_res_sidecar.io.locations import Location, LocationError, check_output
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.runner import Terminated
 from fixed_res_sidecar_tests.fixtures.datasets import touch
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 from fixed_res_sidecar_tests.fixtures.s3 import incomplete_uploads
 
 
@@ -158,6 +159,22 @@ def test_local_listing_follows_no_symlink_and_names_each(tmp_path):
         "linked-folder": str(tmp_path / "outside"),
         "real/linked.parquet": str(tmp_path / "outside" / "b.parquet"),
     }
+
+
+def test_a_local_folder_that_cannot_be_listed_is_an_error_naming_it(tmp_path):
+    """Reported: an unreadable subfolder was left out of the listing, so its shards looked removed."""
+    for rel in ("a.parquet", "sub/b.parquet", "sub/deeper/c.parquet"):
+        touch(tmp_path / "main", rel)
+    location = Location.parse(tmp_path / "main")
+    folder = tmp_path / "main" / "sub"
+    with unreadable(folder), permission_checks_enforced():
+        for listing in (location.list_shards, location.skipped_symlinks, lambda: list(location.iter_shard_pages())):
+            with pytest.raises(StorageError, match=rf"storage failed listing {folder} .*Permission denied"):
+                listing()
+        with unreadable(tmp_path / "main"), pytest.raises(StorageError, match=f"listing {tmp_path / 'main'} "):
+            location.list_shards()
+    # A location that does not exist yet (an output before its first shard) holds no shards, as on S3.
+    assert Location.parse(tmp_path / "not-yet").list_shards() == []
 
 
 RESUME_ORDER = ["a-b.parquet", "a/x.parquet", "a/y/z.parquet", "a0.parquet", "b/c/d.parquet", "b/e.parquet"]
