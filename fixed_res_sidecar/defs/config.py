@@ -324,7 +324,7 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     """Read and validate a datasets file; raises ConfigError naming every dataset and field at fault."""
     file = Path(path).expanduser().resolve() if path is not None else datasets_file()
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except FileNotFoundError:
         raise ConfigError(
             f"{file}: no such datasets file; set {DATASETS_ENV} to the datasets file to use "
@@ -333,6 +333,31 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{file}: not valid YAML: {exc}") from None
     return parse_config(raw, base_dir=file.parent, source=str(file))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML forbids it; PyYAML would
+    silently keep the last value). A value merged in with `<<:` may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key!r} is given twice (lines {first_line[key]} and {line})",
+                        key_node.start_mark,
+                    )
+                first_line[key] = line
+            except TypeError:  # an unhashable key: the safe loader refuses it itself
+                continue
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_code_location_config() -> SidecarConfig:
