@@ -164,6 +164,14 @@ def test_report_inside_main_is_refused_before_any_work(paths, capsys):
     assert not (paths["main"] / "report.json").exists()
 
 
+def test_a_report_name_longer_than_a_file_name_can_be_is_refused_before_any_work(paths, tmp_path, capsys):
+    report = tmp_path / ("r" * 251 + ".json")
+    assert run(*resized_args(paths, "512", "--report", report)) == 2
+    captured = capsys.readouterr()
+    assert "256-byte name, longer than a file name can be (255 bytes)" in captured.err
+    assert captured.out == ""  # refused before any shard was checked
+
+
 def test_report_and_overlays_through_a_symlink_into_main_are_refused(paths, tmp_path, capsys):
     from fixed_res_sidecar_tests.fixtures.datasets import tree_snapshot
 

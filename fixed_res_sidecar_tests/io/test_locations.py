@@ -225,6 +225,35 @@ def test_an_s3_listing_that_fails_is_a_storage_error(s3_env):
         location.list_shards()
 
 
+@pytest.mark.parametrize(
+    ("where", "too_long", "refusal"),
+    [
+        (
+            "local",
+            "a/" + "x" * 251 + ".json",
+            r"256-byte name, longer than a file name can be \(255 bytes\): cannot write .*/a/x+\.json$",
+        ),
+        (
+            "s3",
+            "a/" + "x" * 1020 + ".json",
+            r"1031-byte key, longer than S3 allows \(1024 bytes\): cannot write s3://.*/a/x+\.json$",
+        ),
+    ],
+    ids=["local", "s3"],
+)
+def test_a_name_as_long_as_a_file_name_can_be_is_written_and_a_longer_one_refused_first(
+    tmp_path, s3_bucket, staging, where, too_long, refusal
+):
+    """Reported: names of ~230 bytes failed once written, their temporaries' names being too long."""
+    location = Location.parse(tmp_path / "out" if where == "local" else f"s3://{s3_bucket}/out")
+    longest = "é" * 123 + ".parquet"  # 254 bytes of UTF-8
+    location.write_bytes(f"a/{longest}", b"x")
+    assert location.list_shards() == [f"a/{longest}"]
+    # A name the storage cannot hold (255 bytes a name locally, 1024 a key on S3) is refused before the block.
+    with pytest.raises(LocationError, match=refusal), location.write_atomic(too_long):
+        pytest.fail("the block ran")
+
+
 # -- an interrupted write removes its own leftovers (a killed writer's: test_leftovers.py) --
 
 FAILURES = [RuntimeError("disk full"), KeyboardInterrupt(), Terminated("signal 15")]
