@@ -5,10 +5,18 @@ import functools
 import sys
 from collections import Counter
 
-from fixed_res_sidecar.cli.common import check_positive, clean_leftovers, main_shards, symlink_report, usage_error
+from fixed_res_sidecar.cli.common import (
+    check_positive,
+    clean_leftovers,
+    main_shards,
+    storage_failed,
+    symlink_report,
+    usage_error,
+)
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.resize import DECODE_MEMORY_SHARE, DEFAULT_TASK_MEMORY_GB, build_resized_shard
 from fixed_res_sidecar.shards.runner import (
@@ -114,6 +122,8 @@ def run(args) -> int:
         shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
+    except StorageError as exc:  # e.g. a folder of main that cannot be listed: no shard is left out silently
+        return storage_failed(exc)
     main = layout.main
     job = functools.partial(
         build_resized_shard,

@@ -22,8 +22,9 @@ def usage_error(message: object) -> int:
 
 
 def storage_failed(problem: object) -> int:
-    """Report storage that kept failing (after retries); the command can be rerun as it is."""
-    print(f"sidecar-ops: storage failed (after retries), rerun: {problem}", file=sys.stderr)
+    """Report storage that kept failing (after retries) or refused access; nothing was decided about
+    the data, and the command can be rerun as it is once storage works."""
+    print(f"sidecar-ops: storage failed (nothing was decided; rerun once it works): {problem}", file=sys.stderr)
     return STORAGE_FAILED
 
 

@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fixed_res_sidecar.defs.config import ConfigError, load_code_location_config
+    from fixed_res_sidecar.defs.config import ConfigError, load_config
 
     try:
         datasets, home = where(args)
@@ -64,11 +64,13 @@ def run(args: argparse.Namespace) -> int:
     previous = {name: os.environ.get(name) for name in ("SIDECAR_DATASETS",)}
     os.environ["SIDECAR_DATASETS"] = str(datasets)
     try:
-        load_code_location_config()  # refused here, before anything starts, with the dataset and field named
+        config = load_config()  # refused here, before anything starts, with the dataset and field named
     except ConfigError as exc:
         return usage_error(exc)
     finally:
         _restore(previous)
+    for problem in filter(None, (dataset.main_problem() for dataset in config.datasets)):
+        print(f"warning: {problem}; its discovery sensor fails until it exists", file=sys.stderr)
     workspace = prepare_home(home)
     command = [
         sys.executable, "-m", "dagster", "dev", "-w", str(workspace), "-h", args.host, "-p", str(args.port),

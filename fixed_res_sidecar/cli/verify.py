@@ -208,6 +208,8 @@ def _draw_overlays(
 def _check_report_path(path: str | None, layout: DatasetLayout) -> None:
     if path:
         check_writable(Location.parse(path), layout.described_read_only(), "--report")
+        folder, name = Location.file(path)
+        folder.check_name(name)  # a name the storage cannot hold is refused now, not after the checks
 
 
 def _shards(main: Location, selected: Sequence[str] | None) -> list[str]:

@@ -32,6 +32,7 @@ Defaults come from the code that uses them, not from literals here: the pixel se
 Relative local paths are taken relative to the folder holding the datasets file.
 """
 
+import logging
 import math
 import os
 import re
@@ -270,6 +271,16 @@ class DatasetConfig(_Strict):
     def main(self) -> Location:
         return self.layout.main
 
+    def main_problem(self) -> str | None:
+        """Why this dataset's main cannot be listed at all, known without a request: a local folder
+        that does not exist (listed, it would look empty, and every known shard removed)."""
+        if self.main.is_s3 or Path(self.main.path).is_dir():
+            return None
+        return (
+            f"dataset {self.name!r}, field 'main_prefix': {self.main.uri} does not exist (a local main dataset "
+            "is a folder of Parquet shards; for the repository's sample, run `sidecar-ops demo` first)"
+        )
+
     def audit_prefix(self, resolution: str) -> str:
         return getattr(self, f"audit_prefix_{resolution}")
 
@@ -313,7 +324,7 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     """Read and validate a datasets file; raises ConfigError naming every dataset and field at fault."""
     file = Path(path).expanduser().resolve() if path is not None else datasets_file()
     try:
-        raw = yaml.safe_load(file.read_text())
+        raw = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except FileNotFoundError:
         raise ConfigError(
             f"{file}: no such datasets file; set {DATASETS_ENV} to the datasets file to use "
@@ -324,21 +335,44 @@ def load_config(path: str | os.PathLike | None = None) -> SidecarConfig:
     return parse_config(raw, base_dir=file.parent, source=str(file))
 
 
-def load_code_location_config() -> SidecarConfig:
-    """The datasets file as the code location loads it: also refused when a local main dataset is missing.
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML forbids it; PyYAML would
+    silently keep the last value). A value merged in with `<<:` may still be overridden."""
 
-    `dagster dev` and `dagster definitions validate` then name the dataset and the folder instead of
-    loading definitions whose every run would fail.
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"key {key!r} is given twice (lines {first_line[key]} and {line})",
+                        key_node.start_mark,
+                    )
+                first_line[key] = line
+            except TypeError:  # an unhashable key: the safe loader refuses it itself
+                continue
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_code_location_config() -> SidecarConfig:
+    """The datasets file as the code location loads it: a file that is not valid is refused whole.
+
+    A dataset whose local main folder does not exist is not invalid configuration (a mount may come
+    late, the demo may not have run yet): it loads with the others and fails alone, visibly. A
+    warning names it at load, and each tick of its discovery sensor fails with `main_problem`,
+    until the folder exists; then it works without reloading the code location.
     """
     config = load_config()
-    missing = [
-        f"dataset {d.name!r}, field 'main_prefix': {d.main.uri} does not exist (a local main dataset is a folder "
-        "of Parquet shards; for the repository's sample, run `sidecar-ops demo` first)"
-        for d in config.datasets
-        if not d.main.is_s3 and not Path(d.main.path).is_dir()
-    ]
-    if missing:
-        raise ConfigError(f"{datasets_file()}: invalid configuration:\n" + "\n".join(f"  {m}" for m in missing))
+    for dataset in config.datasets:
+        if problem := dataset.main_problem():
+            # Logged: `dagster dev`, its code server and `dagster definitions validate` show it (they hide warnings).
+            logging.getLogger(__name__).warning(f"{datasets_file()}: {problem}; the other datasets load as usual")
     return config
 
 

@@ -45,7 +45,7 @@ from fixed_res_sidecar.defs.partitions import (
 )
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
-from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import source_fingerprint
 
 LISTING_PAGE_SIZE = 1000
@@ -226,6 +226,8 @@ def discovery_tick(
     `known` are the partitions in the order they were added. Used by the sensor and the demo.
     """
     keys = DatasetKeys(dataset.name)
+    if problem := dataset.main_problem():  # the tick fails, naming the folder; nothing is recorded as removed
+        raise LocationError(problem)
     known_set = set(known)
     found = discover_shards(
         dataset.main, known_set, ShardCursor.parse(cursor), dataset.sensor.max_new_shards_per_tick, seen=seen

@@ -35,6 +35,10 @@ STALE_TEMPORARY_SECONDS = 6 * 3600
 TEMP_DIR_PREFIX = "sidecar-"  # S3 writes stage their file in TMPDIR/sidecar-<machine>-<pid>-<random>/
 UPLOAD_RECORD_SUFFIX = ".multipart-upload.json"  # beside the staged file while its upload is open
 
+NAME_MAX_BYTES = 255  # the longest file or folder name of common local file systems (NAME_MAX: ext4, XFS, Btrfs)
+# A temporary adds `.` before the name and `.<machine>-<pid>-<random>.tmp` after it: at most 31 bytes
+# (8 hex digits, a pid of at most 7 digits, 8 of random), so names of up to 224 bytes are kept whole.
+TEMPORARY_STEM_BYTES = NAME_MAX_BYTES - len(".." + "0" * 8 + "-" + "0" * 7 + "-" + "0" * 8 + ".tmp")
 # `.<name>.<machine>-<pid>-<random>.tmp`; `.<name>.<12 hex>.tmp` from versions that did not name the writer.
 TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.(?:(?P<machine>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}|[0-9a-f]{12})\.tmp")
 # `sidecar-<machine>-<pid>-<mkdtemp's 8>`; `sidecar-<mkdtemp's 8>` from versions that did not name the writer.
@@ -180,6 +184,24 @@ def machine_id() -> str:
     with contextlib.suppress(OSError):
         parts.append(os.readlink("/proc/self/ns/pid"))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:8]
+
+
+def fitting_name(name: str, max_bytes: int) -> str:
+    """`name` when it takes at most `max_bytes` bytes, else its start and a hash of it all, in `max_bytes`.
+
+    Temporaries and staged files are named after the file they become, with more around it: a name
+    that is legal for the file itself must not make theirs too long to create.
+    """
+    encoded = os.fsencode(name)
+    if len(encoded) <= max_bytes:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    return os.fsdecode(encoded[: max_bytes - len(digest) - 1]) + "~" + digest
+
+
+def temporary_stem(name: str) -> str:
+    """What the temporaries of the file `name` are named after (their `name` in TEMPORARY_NAME)."""
+    return fitting_name(name, TEMPORARY_STEM_BYTES)
 
 
 def writer_tag() -> str:

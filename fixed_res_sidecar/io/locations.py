@@ -26,15 +26,18 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.io.leftovers import (
+    NAME_MAX_BYTES,
     STALE_TEMPORARY_SECONDS,
     TEMP_DIR_PREFIX,
     TEMPORARY_NAME,
     UPLOAD_RECORD_SUFFIX,
     Cleanup,
     abort_stale_uploads,
+    fitting_name,
     remove_local_leftovers,
     remove_stale_file,
     remove_temp_dir_leftovers,
+    temporary_stem,
     writer_tag,
 )
 from fixed_res_sidecar.io.retry import RetryingFile, RetryPolicy, StorageError
@@ -42,6 +45,7 @@ from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client, s3_filesystem
 from fixed_res_sidecar.io.uploads import upload_file
 
 SHARD_SUFFIX = ".parquet"
+S3_KEY_MAX_BYTES = 1024
 S3_READ_RETRY = RetryPolicy(S3_MAX_ATTEMPTS)  # the same attempts and backoff as boto3's standard mode
 
 
@@ -191,29 +195,39 @@ class Location:
 
         Hidden folders are skipped; a folder whose every path sorts at or before `start_after` is
         not read at all, so a tick that resumes late in a large dataset does not walk it whole.
+
+        A folder that cannot be read (no permission, vanished meanwhile, an I/O error) raises
+        StorageError naming it: leaving it out would make its shards look removed. Only a root
+        that does not exist lists as empty, as an S3 prefix without objects does (an output
+        before its first shard).
         """
         found, links = [], {}
         folders = [""]
         while folders:
             folder = folders.pop()
+            path = os.path.join(self.path, folder) if folder else self.path
             try:
-                entries = list(os.scandir(os.path.join(self.path, folder)))
-            except OSError:  # vanished or unreadable meanwhile: as os.walk, list what can be listed
-                continue
-            for entry in entries:
-                rel = f"{folder}/{entry.name}" if folder else entry.name
-                is_dir = entry.is_dir()  # a link to a folder counts as a folder, as os.walk sees it
-                if is_dir and entry.name.startswith("."):
-                    continue
-                if entry.is_symlink():  # never followed
-                    if is_dir or _is_shard(rel, suffix):
-                        links[rel] = os.readlink(entry.path)
-                elif is_dir:
-                    if start_after is None or not _sorts_before(rel + "/", start_after):
-                        folders.append(rel)
-                elif _is_shard(rel, suffix) and (start_after is None or rel > start_after):
-                    stat = entry.stat(follow_symlinks=False)
-                    found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
+                entries = list(os.scandir(path))
+                for entry in entries:
+                    rel = f"{folder}/{entry.name}" if folder else entry.name
+                    is_dir = entry.is_dir()  # a link to a folder counts as a folder, as os.walk sees it
+                    if is_dir and entry.name.startswith("."):
+                        continue
+                    if entry.is_symlink():  # never followed
+                        if is_dir or _is_shard(rel, suffix):
+                            links[rel] = os.readlink(entry.path)
+                    elif is_dir:
+                        if start_after is None or not _sorts_before(rel + "/", start_after):
+                            folders.append(rel)
+                    elif _is_shard(rel, suffix) and (start_after is None or rel > start_after):
+                        stat = entry.stat(follow_symlinks=False)
+                        found.append(ShardEntry(rel, stat.st_size, _local_stamp(stat)))
+            except OSError as exc:
+                if not folder and not os.path.lexists(path):
+                    break  # the root does not exist: no shards
+                raise StorageError(
+                    f"storage failed listing {path} (in {self.uri}): {describe_exception(exc, 300)}"
+                ) from exc
         found.sort()
         return found, dict(sorted(links.items()))
 
@@ -296,7 +310,7 @@ class Location:
         renames (symbolic links resolved in every component), before and after creating
         folders and again just before the rename.
         """
-        rel = _check_rel(rel)
+        rel = self.check_name(rel)
         target = Location.parse(self.child(rel)) if self.is_s3 else Location(self.scheme, "", str(Path(self.path, rel)))
         check_writable(target, [("the read-only location", p) for p in protect], what="refusing to write")
         if self.is_s3:
@@ -307,7 +321,7 @@ class Location:
         final.parent.mkdir(parents=True, exist_ok=True)
         _refuse_protected_real_path(final, protect)  # a link may have appeared meanwhile
         self.remove_stale_temporaries(rel, older_than=STALE_TEMPORARY_SECONDS)
-        tmp = final.with_name(f".{final.name}.{writer_tag()}-{uuid.uuid4().hex[:8]}.tmp")
+        tmp = final.with_name(f".{temporary_stem(final.name)}.{writer_tag()}-{uuid.uuid4().hex[:8]}.tmp")
         try:
             yield str(tmp)
             _refuse_protected_real_path(final, protect)
@@ -321,7 +335,8 @@ class Location:
         with contextlib.suppress(Exception):
             remove_temp_dir_leftovers()
         tmp_dir = tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{writer_tag()}-")
-        tmp = os.path.join(tmp_dir, PurePosixPath(rel).name)
+        # The staged file's name is only for people; its upload's record is named after it.
+        tmp = os.path.join(tmp_dir, fitting_name(PurePosixPath(rel).name, NAME_MAX_BYTES - len(UPLOAD_RECORD_SUFFIX)))
         try:
             yield tmp
             upload_file(s3_client(), tmp, self.bucket, key)
@@ -330,6 +345,29 @@ class Location:
                 Path(tmp).unlink(missing_ok=True)
             else:
                 shutil.rmtree(tmp_dir, ignore_errors=True)
+
+    def check_name(self, rel: str) -> str:
+        """`rel`, when this location can hold a file by that name; else LocationError, before any work.
+
+        Locally every file and folder name takes at most NAME_MAX_BYTES bytes; on S3 a key at most
+        S3_KEY_MAX_BYTES. (Names of temporaries are shortened to fit: io/leftovers.py.) The message
+        says why first: the path, named last, may be long.
+        """
+        rel = _check_rel(rel)
+        if self.is_s3:
+            size = len(self._key(rel).encode("utf-8", "surrogateescape"))
+            if size > S3_KEY_MAX_BYTES:
+                raise LocationError(
+                    f"{size}-byte key, longer than S3 allows ({S3_KEY_MAX_BYTES} bytes): cannot write {self.child(rel)}"
+                )
+            return rel
+        longest = max(len(os.fsencode(name)) for name in rel.split("/"))
+        if longest > NAME_MAX_BYTES:
+            raise LocationError(
+                f"{longest}-byte name, longer than a file name can be ({NAME_MAX_BYTES} bytes): "
+                f"cannot write {self.child(rel)}"
+            )
+        return rel
 
     def write_bytes(self, rel: str, data: bytes, protect: Sequence["Location"] = ()) -> None:
         with self.write_atomic(rel, protect) as tmp:
@@ -353,11 +391,12 @@ class Location:
         if self.is_s3:
             return 0
         final = Path(self.path, _check_rel(rel))
+        stem = temporary_stem(final.name)
         now = time.time()
         removed = 0
-        for tmp in final.parent.glob(f".{final.name}.*.tmp") if final.parent.is_dir() else []:
+        for tmp in final.parent.glob(f".{stem}.*.tmp") if final.parent.is_dir() else []:
             match = TEMPORARY_NAME.fullmatch(tmp.name)
-            if match and match["name"] == final.name and remove_stale_file(tmp, match, now, older_than):
+            if match and match["name"] == stem and remove_stale_file(tmp, match, now, older_than):
                 removed += 1
         return removed
 

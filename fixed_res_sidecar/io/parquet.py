@@ -144,3 +144,21 @@ def source_fingerprint(location: Location, rel: str, parquet_file: pq.ParquetFil
     # are not UTF-8 would fail `to_dict()`), and not read a second time.
     footer = metadata.__reduce__()[1][0]
     return f"{stamp}:{metadata.num_rows}:{hashlib.sha256(footer).hexdigest()[:16]}"
+
+
+_BYTES_OF_TEXT = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary(), pa.string_view(): pa.binary_view()}
+
+
+def text_as_bytes(values: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """A text column's values as the bytes stored (no copy); other types as they are.
+
+    Parquet writers do not all check that text is UTF-8, and turning a text column into Python
+    strings fails on its first bad value: read as bytes, each value is decoded alone, and a bad
+    one is that row's problem (e.g. a caption that is `invalid_json`), not the shard's.
+    """
+    binary = _BYTES_OF_TEXT.get(values.type)
+    if binary is None:
+        return values
+    if isinstance(values, pa.ChunkedArray):
+        return pa.chunked_array([chunk.view(binary) for chunk in values.chunks], binary)
+    return values.view(binary)

@@ -33,7 +33,7 @@ from fixed_res_sidecar.core.bbox import (
 from fixed_res_sidecar.core.keys import key_text, raw_key_values
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.io.parquet import ShardError, iter_batches, open_shard
+from fixed_res_sidecar.io.parquet import ShardError, iter_batches, open_shard, text_as_bytes
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import (
     encode_settings,
@@ -216,7 +216,9 @@ def build_crop_bbox_shard(
                 name: read_audit_records(pa.Table.from_batches([by_role[i.role]]), layout.resized[name].audit_prefix)
                 for name, i in resized_inputs.items()
             }
-            captions = by_role[caption_input.role].column(1).to_pylist() if caption_input else [None] * len(keys)
+            # As bytes: a caption that is not UTF-8 is that row's invalid_json (core.bbox.parse_caption).
+            stored = by_role[caption_input.role].column(1) if caption_input else None
+            captions = text_as_bytes(stored).to_pylist() if stored is not None else [None] * len(keys)
             try:
                 columns = _crop_columns(keys, captions, audits, bbox_keys, caption_frame, tally)
             except AuditInconsistent as exc:

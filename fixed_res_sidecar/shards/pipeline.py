@@ -19,6 +19,7 @@ from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult,
 from fixed_res_sidecar.shards.verify import (
     ShardReport,
     VerifyOptions,
+    report_rel,
     verify_crop_bbox_shard,
     verify_resized_shard,
     write_report,
@@ -95,6 +96,7 @@ def run_stages(
     None when it knows nothing, which refuses).
     """
     started = time.monotonic()
+    check_output_names(layout, rel, stages)
     outcome = ShardOutcome(rel)
     if stages.resize:
         try:
@@ -119,6 +121,17 @@ def run_stages(
         _crop(layout, rel, stages, options, recorded_gate_problems, outcome)
     outcome.seconds = time.monotonic() - started
     return outcome
+
+
+def check_output_names(layout: DatasetLayout, rel: str, stages: Stages) -> None:
+    """Raise LocationError, before any work, when a file `stages` would write for `rel` cannot have its
+    name there (a report is named `<shard>.verify.json`, 4 bytes longer than the shard's own name)."""
+    written = [(layout.resized[r].location, rel) for r in stages.resize]
+    written += [(layout.report_location(f"resized_{r}"), report_rel(rel)) for r in stages.verify]
+    if stages.crop:
+        written += [(layout.sidecar, rel), (layout.report_location("crop_bbox"), report_rel(rel))]
+    for location, name in written:
+        location.check_name(name)
 
 
 def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome) -> None:

@@ -28,6 +28,7 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
     recrawl_main_shard,
     tree_snapshot,
 )
+from fixed_res_sidecar_tests.fixtures.permissions import WITHOUT_PERMISSION_OVERRIDE, unreadable
 from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 from fixed_res_sidecar_tests.fixtures.slow_link import slow_uplink
 
@@ -111,6 +112,20 @@ def test_symlinks_in_main_are_not_followed_and_are_reported(sample_main, tmp_pat
         f"linked -> {elsewhere}" in result.stdout and f"linked-x.parquet -> {elsewhere / 'x.parquet'}" in result.stdout
     )
     assert Location.parse(tmp_path / "out").list_shards() == sorted(SHARDS)
+
+
+def test_a_main_folder_that_cannot_be_listed_fails_the_build_naming_it(sample_main, tmp_path):
+    """Reported: a main subfolder that could not be listed was skipped, and the build exited 0."""
+    folder = Path(sample_main.path) / "nested"
+    out = tmp_path / "out"
+    args = ["build-1-05mp", "--main-prefix", sample_main.uri, "--output-prefix", str(out)]
+    with unreadable(folder):  # run as an operator's account would: file permissions apply
+        result = subprocess.run(
+            [*WITHOUT_PERMISSION_OVERRIDE, *SIDECAR_OPS, *args], capture_output=True, text=True, timeout=240
+        )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert f"storage failed listing {folder} " in result.stderr and "Permission denied" in result.stderr
+    assert not out.exists()  # refused before any shard was built
 
 
 def test_bad_configuration_is_refused_before_any_work(sample_main, tmp_path):

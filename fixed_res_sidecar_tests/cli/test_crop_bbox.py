@@ -9,9 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.cli import crop_bbox
+from fixed_res_sidecar.cli.common import STORAGE_FAILED
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import copy_files, every_object_get
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 
 
 def run_cli(argv: list[str]) -> int:
@@ -79,6 +81,18 @@ def test_a_failing_shard_does_not_stop_the_others(sample_build, tmp_path, capsys
     assert f"FAILED {broken}: ShardError: resized 512 shard" in out
     written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*.parquet"))
     assert written == [rel for rel in shards if rel != broken]
+
+
+def test_a_main_folder_that_cannot_be_listed_fails_the_command_naming_it(sample_build, tmp_path, capsys):
+    """Reported: a main subfolder that could not be listed was skipped, and the command exited 0."""
+    main, (out_512, out_1024) = sample_build
+    folder = Path(main.path) / "nested"
+    output = tmp_path / "sidecar"
+    with unreadable(folder), permission_checks_enforced():
+        assert run_cli(cli_args(main, out_512, out_1024, output)) == STORAGE_FAILED
+    err = capsys.readouterr().err
+    assert f"storage failed listing {folder} " in err and "Permission denied" in err
+    assert not output.exists()
 
 
 def test_options_reach_the_job(sample_build, tmp_path):

@@ -28,6 +28,7 @@ from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
     first_get_of_each_key,
     small_ranges_first_attempt,
 )
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 
 REL = "nested/b/part-00002.parquet"
 
@@ -116,6 +117,18 @@ def test_verify_resized_fails_naming_the_damaged_shard(paths, capsys):
     assert "2 passed, 1 failed" in out and out.strip().endswith("FAILED")
 
 
+@pytest.mark.parametrize("command", ["verify-resized", "verify-crop-bbox"])
+def test_a_main_folder_that_cannot_be_listed_is_no_pass(paths, capsys, command):
+    """Reported: a main subfolder that could not be listed was skipped, and the verifier said PASSED."""
+    folder = paths["main"] / "nested"
+    args = resized_args(paths, "512") if command == "verify-resized" else crop_args(paths)
+    with unreadable(folder), permission_checks_enforced():
+        assert run(*args) == STORAGE_FAILED
+    captured = capsys.readouterr()
+    assert f"storage failed listing {folder} " in captured.err and "Permission denied" in captured.err
+    assert "PASSED" not in captured.out
+
+
 def test_verify_resized_reports_missing_shards(paths, capsys):
     (paths["512"] / REL).unlink()
     assert run(*resized_args(paths, "512", "--threads", "1")) == 1
@@ -149,6 +162,14 @@ def test_report_inside_main_is_refused_before_any_work(paths, capsys):
     assert run(*resized_args(paths, "512", "--report", paths["main"] / "report.json")) == 2
     assert "read-only" in capsys.readouterr().err
     assert not (paths["main"] / "report.json").exists()
+
+
+def test_a_report_name_longer_than_a_file_name_can_be_is_refused_before_any_work(paths, tmp_path, capsys):
+    report = tmp_path / ("r" * 251 + ".json")
+    assert run(*resized_args(paths, "512", "--report", report)) == 2
+    captured = capsys.readouterr()
+    assert "256-byte name, longer than a file name can be (255 bytes)" in captured.err
+    assert captured.out == ""  # refused before any shard was checked
 
 
 def test_report_and_overlays_through_a_symlink_into_main_are_refused(paths, tmp_path, capsys):

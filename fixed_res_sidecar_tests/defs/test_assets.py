@@ -1,6 +1,7 @@
 """The asset graph end to end, in process on test instances: local disk, S3, subsets and the gate."""
 
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -116,6 +117,34 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     again = run_shard(tiny_defs, instance, "tiny__shard", rel)
     assert again.success and all(restated(again, key) == result.run_id for key in materialized(result))
     assert all(e.passed and "restated_from_run" in e.metadata for e in again.get_asset_check_evaluations())
+
+
+def test_a_long_shard_name_is_built_and_one_whose_report_cannot_be_named_is_refused_before_any_work(tmp_path, instance):
+    """Reported: shard names of ~230 bytes failed once the work was done (their temporaries' names
+    went over the 255-byte limit of a file name)."""
+    long = "l" * 232 + ".parquet"  # 240 bytes: a legal name, and its output's
+    too_long = "t" * 244 + ".parquet"  # 252 bytes: its report, <stem>.verify.json, would take 256
+    main = Location.parse(tmp_path / "main" / "tiny")
+    write_tiny(main, shards=("a.parquet", "b.parquet"))
+    os.rename(main.child("a.parquet"), main.child(long))
+    os.rename(main.child("b.parquet"), main.child(too_long))
+    config = make_config(dataset_entry("tiny", main, tmp_path / "out"))
+    dataset, defs = config.datasets[0], build_definitions(config)
+    register(instance, config)
+
+    built = run_shard(defs, instance, "tiny__shard", long)
+    assert built.success and materialized(built) == ALL_ASSETS
+    for what in ("resized_512", "resized_1024", "crop_bbox"):
+        report = json.loads(dataset.layout.report_location(what).read_bytes(verify.report_rel(long)))
+        assert report["passed"] and report["rel"] == long
+
+    refused = run_shard(defs, instance, "tiny__shard", too_long)
+    assert not refused.success and not materialized(refused)
+    (failure,) = [e for e in refused.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    message = failure.event_specific_data.error.to_string()
+    assert f"{too_long}: LocationError: 256-byte name, longer than a file name can be (255 bytes)" in message
+    for name in ("resized_512", "resized_1024", "crop_bbox"):
+        assert not dataset.output(name).exists(too_long)  # refused before any work
 
 
 def test_one_shard_end_to_end_on_s3(s3_env, s3_bucket, instance):

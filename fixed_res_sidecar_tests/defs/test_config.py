@@ -221,6 +221,38 @@ def test_file_problems_are_clear(tmp_path):
         load_config(scalar)
 
 
+@pytest.mark.parametrize(
+    ("text", "key", "lines"),
+    [
+        # The second `quality` silently won: 80, not the 95 the reader sees first.
+        ("datasets:\n  - name: a\n    main_prefix: /m\n    output_root: /o\n    quality: 95\n    quality: 80\n",
+         "quality", (5, 6)),
+        ("datasets:\n  - name: a\n    main_prefix: /m\n    output_root: /o\n"
+         "    sensor: {interval_seconds: 60, interval_seconds: 5}\n", "interval_seconds", (5, 5)),
+        ("datasets:\n  - {name: a, main_prefix: /m, output_root: /o}\n"
+         "datasets:\n  - {name: b, main_prefix: /n, output_root: /p}\n", "datasets", (1, 3)),
+    ],
+    ids=["dataset field", "nested mapping", "top level"],
+)  # fmt: skip
+def test_a_key_given_twice_is_refused_naming_it_and_its_lines(tmp_path, text, key, lines):
+    """Reported: a duplicate key in the datasets file was accepted, the last value silently winning."""
+    datasets = tmp_path / "datasets.yaml"
+    datasets.write_text(text)
+    with pytest.raises(
+        ConfigError, match=rf"{datasets}: .*key '{key}' is given twice \(lines {lines[0]} and {lines[1]}\)"
+    ):
+        load_config(datasets)
+
+
+def test_a_value_merged_in_with_a_yaml_merge_key_may_still_be_overridden(tmp_path):
+    datasets = tmp_path / "datasets.yaml"
+    datasets.write_text(
+        "defaults: &common {quality: 90, main_prefix: /m}\n"
+        "datasets:\n  - <<: *common\n    name: a\n    output_root: /o\n    quality: 80\n"
+    )
+    assert load_config(datasets).datasets[0].quality == 80
+
+
 def test_relative_local_paths_resolve_against_the_file_not_the_cwd(tmp_path, monkeypatch):
     folder = tmp_path / "conf"
     folder.mkdir()

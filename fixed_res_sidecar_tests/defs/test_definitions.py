@@ -7,13 +7,17 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 
 from fixed_res_sidecar.defs.config import DATASETS_ENV, load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.resources import SidecarRuntime
+from fixed_res_sidecar.demo import apply_sensor_result
+from fixed_res_sidecar.io.locations import LocationError
 from fixed_res_sidecar.sample_data import write_sample_dataset
-from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config
+from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config, run_request, write_tiny
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 
 
@@ -82,19 +86,56 @@ def test_dagster_cli_validates_the_workspace(tmp_path):
     assert "Validation successful for code location fixed_res_sidecar" in result.stdout + result.stderr
 
 
-def test_dagster_cli_reports_a_missing_local_main_dataset(tmp_path):
-    # The repository's datasets file, before `sidecar-ops demo` made the sample it points at.
-    shutil.copy(REPO_ROOT / "datasets.yaml", tmp_path / "datasets.yaml")
-    result = dagster_cli(
-        "definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, tmp_path / "datasets.yaml")
-    )
+def datasets_with_one_main_missing(tmp_path: Path) -> tuple[Path, Path]:
+    """A datasets file: `present` (a small main dataset) and `missing` (its main folder does not exist)."""
+    present, missing = tmp_path / "present" / "main", tmp_path / "missing" / "main"
+    write_tiny(present, shards=("part-0.parquet",))
+    datasets = tmp_path / "datasets.yaml"
+    entries = [
+        dataset_entry(name, main, tmp_path / name / "out")
+        for name, main in (("missing", missing), ("present", present))
+    ]
+    datasets.write_text(yaml.safe_dump({"datasets": entries}))
+    return datasets, missing
+
+
+def test_dagster_cli_loads_the_other_datasets_and_names_the_missing_main_folder(tmp_path):
+    """Reported: one dataset whose local main folder was missing took the code location down for all."""
+    datasets, missing = datasets_with_one_main_missing(tmp_path)
+    result = dagster_cli("definitions", "validate", "-w", "workspace.yaml", env=cli_env(tmp_path, datasets))
     output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert (
-        f"dataset 'sample', field 'main_prefix': {tmp_path / 'sidecar-demo' / 'main' / 'sample'} does not exist"
-        in output
-    )
-    assert "sidecar-ops demo" in output
+    assert result.returncode == 0, output
+    assert "Validation successful for code location fixed_res_sidecar" in output
+    assert f"dataset 'missing', field 'main_prefix': {missing} does not exist" in output
+
+
+def test_a_dataset_whose_main_folder_is_missing_fails_alone_and_the_others_run(tmp_path, monkeypatch, caplog):
+    import importlib
+
+    datasets, missing = datasets_with_one_main_missing(tmp_path)
+    monkeypatch.setenv(DATASETS_ENV, str(datasets))
+    definitions = importlib.import_module("fixed_res_sidecar.defs.definitions")
+    defs = importlib.reload(definitions).defs
+    assert f"dataset 'missing', field 'main_prefix': {missing} does not exist" in caplog.text
+    dg.Definitions.validate_loadable(defs)
+
+    def tick(dataset: str, instance: dg.DagsterInstance) -> dg.SensorResult:
+        sensor = defs.resolve_sensor_def(DatasetKeys(dataset).discovery_sensor)
+        return sensor(dg.build_sensor_context(instance=instance, resources={"sidecar": SidecarRuntime()}))
+
+    with dg.instance_for_test() as instance:
+        # The other dataset discovers its shard and runs it.
+        found = tick("present", instance)
+        assert apply_sensor_result(instance, found) == ["part-0.parquet"]
+        (request,) = found.run_requests
+        assert run_request(defs, instance, request).success
+        # The dataset without its folder fails each tick, naming the folder, and records nothing.
+        with pytest.raises(LocationError, match=f"{missing} does not exist"):
+            tick("missing", instance)
+        assert instance.get_dynamic_partitions(DatasetKeys("missing").partitions) == []
+        # Once the folder is there, its next tick works, without reloading the code location.
+        write_tiny(missing, shards=("part-0.parquet",))
+        assert apply_sensor_result(instance, tick("missing", instance)) == ["part-0.parquet"]
 
 
 def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):

@@ -30,6 +30,7 @@ from fixed_res_sidecar.defs.sensors import (
 )
 from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar_tests.defs.conftest import (
     QUIET,
     TINY_ROWS,
@@ -40,6 +41,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     write_tiny,
 )
 from fixed_res_sidecar_tests.fixtures.datasets import recrawl_main_shard, tree_snapshot
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 
 
 def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str | None) -> dg.SensorResult:
@@ -203,6 +205,28 @@ def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
 @pytest.mark.parametrize("text", [None, "", "garbage", "[1, 2]", '{"after": "x", "passes": "many"}'])
 def test_unreadable_cursor_starts_a_fresh_listing(text):
     assert ShardCursor.parse(text) == ShardCursor()
+
+
+def test_a_main_folder_that_cannot_be_listed_fails_the_tick_and_removes_nothing(tiny_main, tmp_path, instance):
+    """Reported: a subfolder of main that could not be listed was dropped from the listing, and the
+    sensor recorded its shards as removed. Now the tick fails, naming the folder, and records nothing."""
+    dataset = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out")).datasets[0]
+    sensor = discovery_sensor(dataset)
+    first = tick(sensor, instance, None)
+    apply_sensor_result(instance, first)
+    seen_before = load_seen(instance, "tiny")
+    folder = Path(tiny_main.child("nested"))
+
+    with unreadable(folder), permission_checks_enforced(), pytest.raises(StorageError) as failure:
+        tick(sensor, instance, first.cursor)
+    assert f"storage failed listing {folder}" in str(failure.value) and "Permission denied" in str(failure.value)
+    assert load_seen(instance, "tiny") == seen_before  # nothing recorded as removed
+    observed = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=DatasetKeys("tiny").main), limit=10)
+    assert not observed.records
+
+    # Readable again: the shards were never gone.
+    again = tick(sensor, instance, first.cursor)
+    assert "no new, changed or removed shards" in str(again.skip_reason)
 
 
 # -- main evolves: a rewritten shard is rebuilt, a removed one leaves orphans -----------------------

@@ -105,6 +105,18 @@ def test_a_write_removes_the_temporaries_of_dead_writers_beside_it(tmp_path, liv
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([live, "b.parquet"])
 
 
+def test_the_temporaries_of_a_long_name_are_short_enough_and_still_found_beside_it(tmp_path):
+    long = "n" * 240 + ".parquet"
+    location = Location.parse(tmp_path)
+    with location.write_atomic(f"a/{long}") as tmp:
+        assert len(Path(tmp).name.encode()) <= 255 and Path(tmp).name.startswith(".nnnn")
+        Path(tmp).write_bytes(b"x")
+    left = Path(tmp).with_name(Path(tmp).name.replace(f"-{os.getpid()}-", f"-{_dead_pid()}-"))
+    touch(tmp_path, f"a/{left.name}")  # a dead writer's
+    assert location.remove_stale_temporaries(f"a/{long}") == 1
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [long]
+
+
 def test_remove_leftovers_aborts_stale_incomplete_uploads_under_the_prefix_only(s3_bucket):
     client = s3_client()
     keys = ["out/a.parquet", "out/r/report.json", "out/o/pic.png", "out/notes.txt", "other/b.parquet", "out2/c.parquet"]

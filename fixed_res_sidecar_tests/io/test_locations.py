@@ -10,6 +10,7 @@ from fixed_res_sidecar.io.locations import Location, LocationError, check_output
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.runner import Terminated
 from fixed_res_sidecar_tests.fixtures.datasets import touch
+from fixed_res_sidecar_tests.fixtures.permissions import permission_checks_enforced, unreadable
 from fixed_res_sidecar_tests.fixtures.s3 import incomplete_uploads
 
 
@@ -160,6 +161,22 @@ def test_local_listing_follows_no_symlink_and_names_each(tmp_path):
     }
 
 
+def test_a_local_folder_that_cannot_be_listed_is_an_error_naming_it(tmp_path):
+    """Reported: an unreadable subfolder was left out of the listing, so its shards looked removed."""
+    for rel in ("a.parquet", "sub/b.parquet", "sub/deeper/c.parquet"):
+        touch(tmp_path / "main", rel)
+    location = Location.parse(tmp_path / "main")
+    folder = tmp_path / "main" / "sub"
+    with unreadable(folder), permission_checks_enforced():
+        for listing in (location.list_shards, location.skipped_symlinks, lambda: list(location.iter_shard_pages())):
+            with pytest.raises(StorageError, match=rf"storage failed listing {folder} .*Permission denied"):
+                listing()
+        with unreadable(tmp_path / "main"), pytest.raises(StorageError, match=f"listing {tmp_path / 'main'} "):
+            location.list_shards()
+    # A location that does not exist yet (an output before its first shard) holds no shards, as on S3.
+    assert Location.parse(tmp_path / "not-yet").list_shards() == []
+
+
 RESUME_ORDER = ["a-b.parquet", "a/x.parquet", "a/y/z.parquet", "a0.parquet", "b/c/d.parquet", "b/e.parquet"]
 
 
@@ -206,6 +223,35 @@ def test_an_s3_listing_that_fails_is_a_storage_error(s3_env):
         StorageError, match="storage failed listing s3://no-such-bucket-for-sidecar/data: .*NoSuchBucket"
     ):
         location.list_shards()
+
+
+@pytest.mark.parametrize(
+    ("where", "too_long", "refusal"),
+    [
+        (
+            "local",
+            "a/" + "x" * 251 + ".json",
+            r"256-byte name, longer than a file name can be \(255 bytes\): cannot write .*/a/x+\.json$",
+        ),
+        (
+            "s3",
+            "a/" + "x" * 1020 + ".json",
+            r"1031-byte key, longer than S3 allows \(1024 bytes\): cannot write s3://.*/a/x+\.json$",
+        ),
+    ],
+    ids=["local", "s3"],
+)
+def test_a_name_as_long_as_a_file_name_can_be_is_written_and_a_longer_one_refused_first(
+    tmp_path, s3_bucket, staging, where, too_long, refusal
+):
+    """Reported: names of ~230 bytes failed once written, their temporaries' names being too long."""
+    location = Location.parse(tmp_path / "out" if where == "local" else f"s3://{s3_bucket}/out")
+    longest = "é" * 123 + ".parquet"  # 254 bytes of UTF-8
+    location.write_bytes(f"a/{longest}", b"x")
+    assert location.list_shards() == [f"a/{longest}"]
+    # A name the storage cannot hold (255 bytes a name locally, 1024 a key on S3) is refused before the block.
+    with pytest.raises(LocationError, match=refusal), location.write_atomic(too_long):
+        pytest.fail("the block ran")
 
 
 # -- an interrupted write removes its own leftovers (a killed writer's: test_leftovers.py) --

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.io.parquet import ShardError, open_shard, read_columns, source_fingerprint
+from fixed_res_sidecar.io.parquet import ShardError, open_shard, read_columns, source_fingerprint, text_as_bytes
 from fixed_res_sidecar_tests.fixtures.datasets import damage_column_chunk
 
 ROWS = 10
@@ -88,3 +88,18 @@ def test_s3_fingerprints_carry_the_etag(shards, s3_bucket):
     local, remote = source_fingerprint(shards, "a.parquet"), source_fingerprint(s3, "a.parquet")
     assert remote.rsplit(":", 2)[1:] == local.rsplit(":", 2)[1:]  # same rows and footer
     assert remote != local and s3.fingerprint("a.parquet") in remote
+
+
+@pytest.mark.parametrize(
+    ("text_type", "bytes_type"),
+    [(pa.string(), pa.binary()), (pa.large_string(), pa.large_binary()), (pa.string_view(), pa.binary_view())],
+    ids=str,
+)
+def test_text_that_is_not_utf8_is_read_as_the_bytes_stored(text_type, bytes_type):
+    stored = [b'{"a": 1}', b"caf\xe9", None]
+    text = pa.array(stored, bytes_type).view(text_type)
+    with pytest.raises(UnicodeDecodeError):
+        text.to_pylist()
+    assert text_as_bytes(text).to_pylist() == stored
+    assert text_as_bytes(pa.chunked_array([text, text])).to_pylist() == stored * 2
+    assert text_as_bytes(pa.array([1, 2])).to_pylist() == [1, 2]  # other types as they are

@@ -14,8 +14,9 @@ from fixed_res_sidecar.core.bbox import CROP_COLUMNS, META_COLUMN
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
+from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
-from fixed_res_sidecar.shards.verify import GateError
+from fixed_res_sidecar.shards.verify import GateError, verify_crop_bbox_shard
 from fixed_res_sidecar_tests.fixtures.datasets import sidecar_layout
 
 COLUMNS = ["image_key", CROP_COLUMNS["512"], CROP_COLUMNS["1024"], META_COLUMN]
@@ -397,6 +398,35 @@ def test_captions_that_are_not_utf8_text_are_invalid_json_for_their_row_only(bui
     build_crop_bbox_shard(sidecar_layout(main, r512, r1024, output), rel)
     metas = [json.loads(m) for m in pq.read_table(output.child(rel)).column(META_COLUMN).to_pylist()]
     assert [m["caption_status"] for m in metas[1:3]] == ["invalid_json", "ok"]
+
+
+def test_bytes_that_are_not_utf8_in_a_string_caption_column_are_invalid_json_for_their_row_only(build, tmp_path):
+    """Reported: a `string` caption column holding bytes that are not UTF-8 (Parquet writers do not
+    all check) failed the whole sidecar shard with a UnicodeDecodeError."""
+    main, r512, r1024, output = build
+    rel = main.list_shards()[0]
+    bad = b'{"label": "caf\xe9", "bbox": [1, 2, 3, 4]}'  # Latin-1, not UTF-8
+
+    def string_captions(table):
+        captions = [None if c is None else c.encode() for c in table.column("structured_description").to_pylist()]
+        captions[1] = bad
+        index = table.schema.get_field_index("structured_description")
+        return table.set_column(index, "structured_description", pa.array(captions, pa.binary()).view(pa.string()))
+
+    rewrite(main, rel, string_captions)
+    assert pq.read_schema(main.child(rel)).field("structured_description").type == pa.string()
+    layout = sidecar_layout(main, r512, r1024, output, reports=Location.parse(tmp_path / "reports"))
+    result = build_crop_bbox_shard(layout, rel)
+    assert result.built and result.counts["captions"]["invalid_json"] == 1
+    sidecar = pq.read_table(output.child(rel))
+    statuses = [json.loads(m)["caption_status"] for m in sidecar.column(META_COLUMN).to_pylist()]
+    assert statuses[1] == "invalid_json" and statuses.count("ok") == 10 - 1 - statuses.count("missing")
+    assert sidecar.column(CROP_COLUMNS["512"])[1].as_py() is None
+    report = verify_crop_bbox_shard(layout, rel)
+    assert report.passed, [c.message for c in report.failed_checks]
+    assert report.stats["caption_status"]["invalid_json"] == 1
+    # The overlay pictures read the captions too (every row a candidate: a sample larger than the shard).
+    assert write_overlays(layout, rel, layout.report_location("overlays"), sample=10)
 
 
 def test_an_inconsistent_audit_is_reported_against_the_resized_shards(build):
