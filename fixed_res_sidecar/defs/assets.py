@@ -46,7 +46,9 @@ from fixed_res_sidecar.defs.history import (
     built_from_main,
     latest_materialization,
     recorded_results,
+    retry_run_on_failure,
     unverified_resized_problems,
+    wait_for_storage,
 )
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
@@ -183,6 +185,10 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
+        # The work may have outlasted a storage outage: record it once the event log answers again.
+        wait_for_storage(context.instance)
+        if not failures and any(_failed_checks(outcome) for outcome in outcomes.values()):
+            retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
         for rel in todo:
             if rel in outcomes:
                 yield from shard_events(context, dataset, keys, outcomes[rel], stages)
@@ -222,6 +228,11 @@ def _run(dataset, rels, stages, options, gates, workers) -> tuple[dict[str, Shar
         progress=Progress(len(rels), quiet=True),
     )
     return summary.results, summary.failures
+
+
+def _failed_checks(outcome: ShardOutcome) -> bool:
+    reports = [*outcome.reports.values(), outcome.crop_report]
+    return any(report is not None and not report.passed for report in reports)
 
 
 class _StagesJob:
