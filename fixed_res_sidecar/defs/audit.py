@@ -42,7 +42,7 @@ from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
 PAGE = 10_000  # event records read at a time
 # How long after taking its storage id an event's writer has surely committed it (Dagster's own
-# connection retries take ~6 s): events younger than this are read again by the next update.
+# connection retries take ~11 s): events younger than this are read again by the next update.
 SETTLE_SECONDS = 300.0
 LISTED = 20  # shards named per problem in the audit's text and tables
 UNFINISHED_RUNS = [
@@ -401,7 +401,7 @@ def _names(shards: list[str]) -> str:
 
 def audit_dataset(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None = None) -> DatasetAudit:
     """Bring the dataset's audit state up to date and evaluate it (from the run `own_run_id`)."""
-    state = load_state(instance, keys.dataset)
+    state = history.storage_call(load_state, instance, keys.dataset)
     update_state(instance, keys, state)
-    save_state(instance, keys.dataset, state)
+    history.storage_call(save_state, instance, keys.dataset, state)
     return evaluate(instance, keys, state, own_run_id)

@@ -3,12 +3,14 @@
 Reading the event log, never the data: the crop gate across runs, the demo's bookkeeping and
 the dataset audit ask here.
 
-Storage outages: every call here to the instance's storage is retried (`storage_call`) while the
-database does not answer (a restart or failover takes seconds to a minute), with backoff, for
-at most `STORAGE_RETRY_SECONDS`, each wait logged; then `EventLogUnavailable` fails the step.
-Dagster's own event writes retry only their connection, for about 6 s: a shard run waits for
-the storage (`wait_for_storage`) before it records its shards. Failures that are not the data's
-are retried as new runs (`RETRY_ON_FAILURE_TAG`); see `retry_run_on_failure`.
+Storage outages: every call here that a run makes to the instance's storage is retried
+(`storage_call`) while the database does not answer (a restart or failover takes seconds to a
+minute), with backoff, for at most `STORAGE_RETRY_SECONDS` (plus one attempt), each wait logged;
+then `EventLogUnavailable` fails the step. Not the key-value state (`load_state`, `save_state`):
+a sensor tick that outlasted its timeout would still save it. Dagster's own event writes retry
+only their connection, for about 11 s: a shard run waits for the storage (`wait_for_storage`)
+before it records its shards. A run that failed anyway is retried as a new run, unless its data
+failed (`retry_run_on_failure`).
 """
 
 import base64
@@ -55,7 +57,7 @@ def _unavailable(exc: BaseException) -> bool:
         return True
     if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
         return True
-    try:  # dagster-postgres gives up on a connection after ~6 s with its own error
+    try:  # dagster-postgres gives up on a connection after ~11 s (5 retries) with its own error
         from dagster_postgres.utils import DagsterPostgresException
     except ImportError:
         return False
@@ -78,7 +80,7 @@ def storage_call(call: Callable, *args, budget: float | None = None, **kwargs):
             waited = time.monotonic() - started
             if waited + wait > budget:
                 raise EventLogUnavailable(
-                    f"the Dagster instance's storage did not answer for {waited:.0f} s ({attempt} attempts of "
+                    f"the Dagster instance's storage did not answer for {waited:.0f} s ({attempt} attempt(s) of "
                     f"{getattr(call, '__name__', 'a call')}): {str(exc).splitlines()[0][:300]}"
                 ) from exc
             log.warning(
@@ -95,7 +97,7 @@ def storage_call(call: Callable, *args, budget: float | None = None, **kwargs):
 
 def wait_for_storage(instance: dg.DagsterInstance) -> None:
     """Return once the instance's event log answers (retried as `storage_call`): a run checks this
-    before it records its shards, whose events Dagster writes retrying only a few seconds."""
+    before it records its shards, whose events Dagster writes retrying for about 11 s only."""
     storage_call(instance.event_log_storage.get_maximum_record_id)
 
 
@@ -112,7 +114,7 @@ def retry_run_on_failure(instance: dg.DagsterInstance, run_id: str, retry: bool)
 
 def load_state(instance: dg.DagsterInstance, key: str) -> Any:
     """A JSON value kept in the instance's key-value store (compressed), or None."""
-    text = storage_call(instance.run_storage.get_cursor_values, {key}).get(key)
+    text = instance.run_storage.get_cursor_values({key}).get(key)
     if not text:
         return None
     try:
@@ -125,7 +127,7 @@ def save_state(instance: dg.DagsterInstance, key: str, value: Any) -> None:
     """Keep a JSON value in the instance's key-value store: one row, compressed (100,000 shards' state is
     a few megabytes of JSON, a few hundred kilobytes stored)."""
     raw = json.dumps(value, separators=(",", ":")).encode()
-    storage_call(instance.run_storage.set_cursor_values, {key: base64.b64encode(zlib.compress(raw, 6)).decode("ascii")})
+    instance.run_storage.set_cursor_values({key: base64.b64encode(zlib.compress(raw, 6)).decode("ascii")})
 
 
 def built_from_main(
