@@ -69,6 +69,7 @@ def storage_call(call: Callable, *args, budget: float | None = None, **kwargs):
     while the database is unavailable, for at most `budget` seconds (STORAGE_RETRY_SECONDS);
     then EventLogUnavailable. Other errors pass through at once."""
     budget = STORAGE_RETRY_SECONDS if budget is None else budget
+    name = getattr(call, "__name__", "a call")
     started = time.monotonic()
     wait, attempt = FIRST_WAIT_SECONDS, 1
     while True:
@@ -77,15 +78,15 @@ def storage_call(call: Callable, *args, budget: float | None = None, **kwargs):
         except Exception as exc:
             if not _unavailable(exc):
                 raise
-            waited = time.monotonic() - started
+            waited, reason = time.monotonic() - started, (str(exc).splitlines() or [type(exc).__name__])[0][:300]
             if waited + wait > budget:
                 raise EventLogUnavailable(
                     f"the Dagster instance's storage did not answer for {waited:.0f} s ({attempt} attempt(s) of "
-                    f"{getattr(call, '__name__', 'a call')}): {str(exc).splitlines()[0][:300]}"
+                    f"{name}): {reason}"
                 ) from exc
             log.warning(
                 "storage unavailable (attempt %d of %s, %.1f s so far, budget %.0f s): %s; retrying in %.1f s",
-                *(attempt, getattr(call, "__name__", "a call"), waited, budget, str(exc).splitlines()[0][:200], wait),
+                *(attempt, name, waited, budget, reason, wait),
             )
             time.sleep(wait)
             wait, attempt = min(wait * 2, MAX_WAIT_SECONDS), attempt + 1
