@@ -55,7 +55,7 @@ def dataset_run_tags(dataset) -> dict[str, str]:
 
     `fixed_res_sidecar/dataset` (dagster.yaml limits runs per unique value), the dataset's
     CPU and memory as `dagster-k8s/config` and `dagster-ray/config`, and a retry of a run that
-    failed in a step (a storage outage; a run whose data failed unsets it: `history.retry_run_on_failure`).
+    failed in a step (a storage outage; a run whose data failed sets it to "false": `history.retry_run_on_failure`).
     """
     tags = launcher_tags(dataset.run_resources.cpu, dataset.run_resources.memory_gb, dataset=dataset.name)
     return {**tags, RETRY_ON_FAILURE_TAG: "true"}
