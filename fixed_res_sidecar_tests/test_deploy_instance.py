@@ -1,6 +1,6 @@
 """deploy/dagster.yaml for real: a Postgres-backed instance with a live `dagster-daemon` (the default
-run launcher instead of Kubernetes), shard backfills launched as the UI does (GraphQL), and the
-processes that can die mid-backfill killed with SIGKILL.
+run launcher instead of Kubernetes), shard backfills launched as the UI does (GraphQL), the
+processes that can die mid-backfill killed with SIGKILL, and the database stopped mid-run.
 
 The fixtures (fixtures/postgres.py, fixtures/dagster_deployment.py) start a real PostgreSQL server,
 the code location's gRPC server (which starts one process per run, the default run launcher), the
@@ -23,10 +23,12 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.history import recorded_results
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.shards.pipeline import Stages, fingerprints_match
 from fixed_res_sidecar_tests.defs.conftest import TINY_SIZES, check_partition_status, dataset_entry, register
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CLUSTER_ONLY,
@@ -34,6 +36,7 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     InstanceSettings,
     wait_until,
 )
+from fixed_res_sidecar_tests.fixtures.postgres import restart_postgres, stop_postgres
 
 RUN_TIMEOUT = 240.0  # generous: a tiny shard's run takes seconds, a queue wait and a process start a few more
 # deploy's run_monitoring keys the test instance sets (deploy keeps max_resume_run_attempts: 0 itself).
@@ -379,3 +382,55 @@ def test_a_killed_daemon_restarts_and_the_backfill_finishes(dagster_deployment, 
                 assert built_by(instance, key, rel) == [record.dagster_run.run_id], (key.to_user_string(), rel)
         assert_shards_complete(instance, config, {"restart": shards})
         assert_outputs_whole(config.dataset("restart"), shards)
+
+
+OUTAGE_SECONDS = 20.0
+
+
+def failures(instance, run: dg.DagsterRun) -> list:
+    return [e for e in instance.all_logs(run.run_id) if e.is_dagster_event and e.dagster_event.is_failure]
+
+
+def test_a_storage_outage_mid_run_leaves_no_built_shard_unrecorded(private_dagster_deployment, tmp_path):
+    """Stop PostgreSQL (a fast shutdown, as `pg_ctl stop -m fast`) for 20 s once a shard run of the discovery
+    sensor is in its work (a few seconds: the outage outlasts it), then start it again on the same data
+    folder and port: every shard ends recorded (its materializations and every check of its partition,
+    describing the very objects in storage), in the same run or a retry of it, and no output is built
+    but unrecorded."""
+    deployment, server = private_dagster_deployment, private_dagster_deployment.database.server
+    shards = ["part-0.parquet", "part-1.parquet"]
+    sensor = {"interval_seconds": 5, "default_status": "running"}
+    config = datasets_config(deployment, tiny_dataset(tmp_path, "outage", shards, sensor=sensor))
+    keys = DatasetKeys("outage")
+    deployment.start_code_server()
+    deployment.start_daemon()
+
+    resized = Path(config.dataset("outage").output("resized_512").path)
+
+    def in_work() -> bool:  # a shard's resize is writing its temporary (or wrote its output)
+        return any(resized.glob("*.parquet")) or any(resized.glob(".*.tmp"))
+
+    wait_until(in_work, RUN_TIMEOUT, "a shard run in its work", interval=0.05, detail=deployment.report)
+    stop_postgres(server)
+    time.sleep(OUTAGE_SECONDS)
+    restart_postgres(server)
+
+    with deployment.instance() as instance:
+        runs = deployment.wait_until_idle(instance, RUN_TIMEOUT + 60)
+        for run in runs:  # what the outage did, for the test's output
+            errors = [getattr(e.dagster_event.event_specific_data, "error", None) for e in failures(instance, run)]
+            print(f"\n{run.run_id[:8]} {run.tags.get(PARTITION_NAME_TAG)} {run.status.value} "
+                  f"parent={run.parent_run_id and run.parent_run_id[:8]}: {[e.message.strip() for e in errors if e]}")  # fmt: skip
+        # Every shard recorded: its assets materialised, every check of its partition passed...
+        assert_shards_complete(instance, config, {"outage": shards})
+        assert_outputs_whole(config.dataset("outage"), shards)
+        # ...on the outputs now in storage: nothing built after what is on record.
+        everything = Stages(resize=RESOLUTIONS, verify=RESOLUTIONS, crop=True)
+        for rel in shards:
+            recorded = recorded_results(instance, keys, rel, everything)
+            assert recorded is not None, f"{rel}: results not on record"
+            assert fingerprints_match(config.dataset("outage").layout, rel, recorded.fingerprints), rel
+        # Each shard's runs ended well, by themselves or through their retries.
+        for rel in shards:
+            statuses = [r.status for r in runs if r.job_name == keys.shard_job and r.tags[PARTITION_NAME_TAG] == rel]
+            assert dg.DagsterRunStatus.SUCCESS in statuses, (rel, statuses)

@@ -48,7 +48,9 @@ from fixed_res_sidecar.defs.history import (
     built_from_main,
     latest_materialization,
     recorded_results,
+    retry_run_on_failure,
     unverified_resized_problems,
+    wait_for_storage,
 )
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
@@ -194,6 +196,10 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
+        # The work may have outlasted a storage outage: record it once the event log answers again.
+        wait_for_storage(context.instance)
+        if not failures and not problems and any(outcome.problems() for outcome in outcomes.values()):
+            retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
         for rel, reason in failures.items():  # not the data's fault (storage, a crash): a retry can redo it
             problems[rel] = [reason]
         for rel in todo:

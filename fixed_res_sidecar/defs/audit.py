@@ -3,9 +3,8 @@
 It reads the event log, never the data: the materializations of `main`, both resized outputs,
 both verifiers and `crop_bbox` (rows, bytes, valid and invalid counts per error code are in
 their metadata), and the latest result of every per-shard check. It reads incrementally: what
-was read before is kept, per shard, in the instance's key-value store with a cursor per asset
-and one for the checks, so each run reads only the events recorded since the last one (the
-first run reads everything once). Its verdict:
+was read before is kept, per shard, in the instance's key-value store, so each run reads only
+the events recorded lately (the first run reads everything once). Its verdict:
 
 Two checks carry it, so that each label says what it means: `dataset_audit` (ERROR severity)
 and `dataset_complete` (WARN severity):
@@ -16,8 +15,21 @@ and `dataset_complete` (WARN severity):
 - incomplete (WARN) while work is under way (runs or backfills of the dataset unfinished), shards were
   never built or verified, or shards were removed from main (their outputs are kept: orphans, listed);
 - passed otherwise.
+
+Never missing an event: storage ids are assigned when an event is inserted, but on Postgres
+concurrent writers commit out of order, and Dagster records a check's result in a second
+transaction after its event: an event with a smaller id can become visible after a reader saw
+larger ones. A cursor at the largest id read loses it (reported: 7-12 of 6,000 events with 4
+writers; defs/test_audit.py, with some commits held back: 10 of 540). So each update reads again
+from `settled`, the largest id known to have been read at least `SETTLE_SECONDS` after it was
+assigned, by when it had committed: each update marks (when it finished, the largest id it read),
+and every id at or below that was assigned before then. A record is applied only when newer than
+what its shard holds (one read again is not counted again), so the state equals an audit
+computed from scratch. The bound assumes a writer commits within SETTLE_SECONDS of taking its id
+and the clocks of the machines running the audit agree to within a fraction of it.
 """
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +44,9 @@ from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
 PAGE = 10_000  # event records read at a time
+# How long after taking its storage id an event's writer has surely committed it (Dagster's own
+# connection retries take ~11 s): events younger than this are read again by the next update.
+SETTLE_SECONDS = 300.0
 LISTED = 20  # shards named per problem in the audit's text and tables
 UNFINISHED_RUNS = [
     dg.DagsterRunStatus.QUEUED,
@@ -43,42 +58,57 @@ UNFINISHED_RUNS = [
 
 @dataclass
 class AuditState:
-    """What the audit has read so far: per asset and for the checks, how far; per shard, what it found."""
+    """What the audit has read so far: how far, and per shard, what it found."""
 
-    cursors: dict[str, int] = field(default_factory=dict)  # asset key or "checks" -> last storage id read
-    # rel -> {"main": [rows, bytes], "removed": bool, "<res>": bytes, "verify_<res>": [storage id, valid,
-    #         invalid, {code: n}], "crop": storage id, "checks": {check key text: status}}
+    # "high": the largest storage id read; "settled": every event at or below it was read once it
+    # had surely committed (each update reads again after it)
+    cursors: dict[str, int] = field(default_factory=dict)
+    # rel -> {"main": [rows, bytes], "main_id": storage id, "removed_id": storage id, "<res>": bytes,
+    #         "<res>_id": storage id, "verify_<res>": [storage id, valid, invalid, {code: n}],
+    #         "crop": storage id, "checks": {check key text: status}}
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    marks: list[list[float]] = field(default_factory=list)  # [when an update finished, "high" then]
 
 
 def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
     data = history.load_state(instance, STATE_KEY.format(dataset=dataset))
     try:
-        return AuditState(dict(data["cursors"]), dict(data["shards"]))
-    except (TypeError, KeyError):
+        # A state saved before "settled" existed (a cursor per asset) is read again from the start, once.
+        cursors = {name: data["cursors"][name] for name in ("high", "settled") if name in data["cursors"]}
+        return AuditState(cursors, dict(data["shards"]), list(data.get("marks", [])))
+    except (TypeError, KeyError, AttributeError):
         return AuditState()  # none yet, or unreadable: read everything again
 
 
 def save_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
-    history.save_state(instance, STATE_KEY.format(dataset=dataset), {"cursors": state.cursors, "shards": state.shards})
+    value = {"cursors": state.cursors, "shards": state.shards, "marks": state.marks}
+    history.save_state(instance, STATE_KEY.format(dataset=dataset), value)
 
 
-def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState) -> int:
-    """Read the events recorded since the state's cursors into it; returns how many were read."""
-    read = 0
+def update_state(
+    instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, settle_seconds: float = SETTLE_SECONDS
+) -> int:
+    """Read the events recorded lately into the state (those after its settled cursor: see the module's
+    docstring); returns how many were new to it."""
+    started = time.time()
+    after, known = state.cursors.get("settled", 0), state.cursors.get("high", 0)
+    high, read = known, 0
     for slot, key in _materialized_assets(keys).items():
-        for record in _new_events(instance.fetch_materializations, key, state.cursors.get(key.to_user_string(), 0)):
-            state.cursors[key.to_user_string()] = record.storage_id
+        for record in _new_events(instance.fetch_materializations, key, after):
+            high = max(high, record.storage_id)
             if record.partition_key is None:
                 continue
-            read += 1
             shard = state.shards.setdefault(record.partition_key, {})
+            if record.storage_id <= _held_id(shard, slot):
+                continue  # read before, or older than what the shard holds (it committed late)
+            read += 1
             metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
             if slot == "main":
                 shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
                 shard["main_id"] = record.storage_id
             elif slot in RESOLUTIONS:
                 shard[slot] = _int(metadata.get("bytes"))
+                shard[f"{slot}_id"] = record.storage_id
             elif slot == "crop":
                 shard["crop"] = record.storage_id
             else:  # a verifier
@@ -90,23 +120,51 @@ def update_state(instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditSt
                     {code: n for code, n in errors.items() if n},
                 ]
     # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
-    observed = state.cursors.get("main observations", 0)
-    for record in _new_events(instance.fetch_observations, keys.main, observed):
-        state.cursors["main observations"] = record.storage_id
+    for record in _new_events(instance.fetch_observations, keys.main, after):
+        high = max(high, record.storage_id)
         metadata = record.asset_observation.metadata
         if record.partition_key is not None and REMOVED in metadata and metadata[REMOVED].value:
-            state.shards.setdefault(record.partition_key, {})["removed_id"] = record.storage_id
-            read += 1
-    after = state.cursors.get("checks", 0)
-    infos = instance.event_log_storage.get_asset_check_partition_info(_check_keys(keys), after_storage_id=after)
+            shard = state.shards.setdefault(record.partition_key, {})
+            if record.storage_id > shard.get("removed_id", 0):
+                shard["removed_id"] = record.storage_id
+                read += 1
+    # The latest result per check and shard (what the storage holds now, so applied as it is).
+    infos = history.storage_call(
+        instance.event_log_storage.get_asset_check_partition_info, _check_keys(keys), after_storage_id=after
+    )
     for info in infos:
+        high = max(high, info.latest_check_event_storage_id)
         if info.partition_key is None:
             continue
-        read += 1
         checks = state.shards.setdefault(info.partition_key, {}).setdefault("checks", {})
-        checks[info.check_key.to_user_string()] = info.latest_execution_status.value
-        state.cursors["checks"] = max(state.cursors.get("checks", 0), info.latest_check_event_storage_id)
+        name, status = info.check_key.to_user_string(), info.latest_execution_status.value
+        if checks.get(name) != status or info.latest_check_event_storage_id > known:
+            read += 1
+        checks[name] = status
+    state.cursors["high"] = high
+    _settle(state, started, settle_seconds)
     return read
+
+
+def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
+    """Mark this update, and move `settled` up to the marks older than `settle_seconds` when it started:
+    their events had committed by then, so this update read every one of them."""
+    state.marks.append([time.time(), state.cursors["high"]])
+    ripe = [high for when, high in state.marks if when <= started - settle_seconds]
+    if ripe:
+        state.cursors["settled"] = max([state.cursors.get("settled", 0), *ripe])
+        state.marks = [mark for mark in state.marks if mark[0] > started - settle_seconds]
+
+
+def _held_id(shard: dict[str, Any], slot: str) -> int:
+    """The storage id of the record a shard's slot holds (0: none)."""
+    if slot == "main":
+        return shard.get("main_id", 0)
+    if slot == "crop":
+        return shard.get("crop", 0)
+    if slot in RESOLUTIONS:
+        return shard.get(f"{slot}_id", 0)
+    return shard.get(slot, [0])[0]  # a verifier
 
 
 def _materialized_assets(keys: DatasetKeys) -> dict[str, dg.AssetKey]:
@@ -129,7 +187,7 @@ def _new_events(fetch, key: dg.AssetKey, after: int):
     records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after)
     cursor = None
     while True:
-        page = fetch(records_filter, limit=PAGE, cursor=cursor, ascending=True)
+        page = history.storage_call(fetch, records_filter, limit=PAGE, cursor=cursor, ascending=True)
         yield from page.records
         if not page.has_more:
             return
@@ -361,7 +419,7 @@ def _names(shards: list[str]) -> str:
 
 def audit_dataset(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None = None) -> DatasetAudit:
     """Bring the dataset's audit state up to date and evaluate it (from the run `own_run_id`)."""
-    state = load_state(instance, keys.dataset)
+    state = history.storage_call(load_state, instance, keys.dataset)
     update_state(instance, keys, state)
-    save_state(instance, keys.dataset, state)
+    history.storage_call(save_state, instance, keys.dataset, state)
     return evaluate(instance, keys, state, own_run_id)

@@ -2,12 +2,23 @@
 
 Reading the event log, never the data: the crop gate across runs, the demo's bookkeeping and
 the dataset audit ask here.
+
+Storage outages: every call here that a run makes to the instance's storage is retried
+(`storage_call`) while the database does not answer (a restart or failover takes seconds to a
+minute), with backoff, for at most `STORAGE_RETRY_SECONDS` (plus one attempt), each wait logged;
+then `EventLogUnavailable` fails the step. Not the key-value state (`load_state`, `save_state`):
+a sensor tick that outlasted its timeout would still save it. Dagster's own event writes retry
+only their connection, for about 11 s: a shard run waits for the storage (`wait_for_storage`)
+before it records its shards. A run that failed anyway is retried as a new run, unless its data
+failed (`retry_run_on_failure`).
 """
 
 import base64
 import json
+import logging
+import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +31,86 @@ from dagster._core.definitions.data_version import (
 )
 
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
+
+log = logging.getLogger(__name__)
+
+# How long a call to the instance's storage is retried while the database does not answer: longer
+# than a database restart or a managed failover (tens of seconds), short enough that a dead
+# database fails the run within minutes (its retry then redoes the shard).
+STORAGE_RETRY_SECONDS = 120.0
+FIRST_WAIT_SECONDS = 0.5  # then doubling, at most MAX_WAIT_SECONDS
+MAX_WAIT_SECONDS = 10.0
+
+
+class EventLogUnavailable(Exception):
+    """The Dagster instance's storage kept failing for the whole retry budget: an infrastructure
+    error, never a verdict on a shard."""
+
+
+def _unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the database is not there (refused, dropped, restarting), not that a query is wrong."""
+    import sqlalchemy.exc
+
+    if isinstance(exc, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+        return True
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    try:  # dagster-postgres gives up on a connection after ~11 s (5 retries) with its own error
+        from dagster_postgres.utils import DagsterPostgresException
+    except ImportError:
+        return False
+    return isinstance(exc, DagsterPostgresException)
+
+
+def storage_call(call: Callable, *args, budget: float | None = None, **kwargs):
+    """`call(*args, **kwargs)` (a read or an idempotent write of the instance's storage), retried
+    while the database is unavailable, for at most `budget` seconds (STORAGE_RETRY_SECONDS);
+    then EventLogUnavailable. Other errors pass through at once."""
+    budget = STORAGE_RETRY_SECONDS if budget is None else budget
+    name = getattr(call, "__name__", "a call")
+    started = time.monotonic()
+    wait, attempt = FIRST_WAIT_SECONDS, 1
+    while True:
+        try:
+            result = call(*args, **kwargs)
+        except Exception as exc:
+            if not _unavailable(exc):
+                raise
+            waited, reason = time.monotonic() - started, (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+            if waited + wait > budget:
+                raise EventLogUnavailable(
+                    f"the Dagster instance's storage did not answer for {waited:.0f} s ({attempt} attempt(s) of "
+                    f"{name}): {reason}"
+                ) from exc
+            log.warning(
+                "storage unavailable (attempt %d of %s, %.1f s so far, budget %.0f s): %s; retrying in %.1f s",
+                *(attempt, name, waited, budget, reason, wait),
+            )
+            time.sleep(wait)
+            wait, attempt = min(wait * 2, MAX_WAIT_SECONDS), attempt + 1
+            continue
+        if attempt > 1:
+            log.warning("storage answered again after %.1f s (%d attempts)", time.monotonic() - started, attempt)
+        return result
+
+
+def wait_for_storage(instance: dg.DagsterInstance) -> None:
+    """Return once the instance's event log answers (retried as `storage_call`): a run checks this
+    before it records its shards, whose events Dagster writes retrying for about 11 s only."""
+    storage_call(instance.event_log_storage.get_maximum_record_id)
+
+
+def retry_run_on_failure(instance: dg.DagsterInstance, run_id: str, retry: bool) -> None:
+    """Whether run `run_id` is retried if it fails in a step (deploy/dagster.yaml's run retries).
+
+    Every run of a dataset starts with "true" (`run_resources.dataset_run_tags`): a step can fail
+    before any code of ours runs (Dagster's own reads and writes during a storage outage), and a
+    retry then records the shard (its outputs are kept and skipped as up to date). A run whose
+    failure is the data's (a blocking check failed) sets "false": a retry would fail the same way.
+    """
+    storage_call(instance.add_run_tags, run_id, {RETRY_ON_FAILURE_TAG: str(retry).lower()})
 
 
 def load_state(instance: dg.DagsterInstance, key: str) -> Any:
@@ -51,7 +141,9 @@ def built_from_main(
     once the discovery sensor records another version of that shard (an observation after the
     pointer: main's latest record for the shard when this was built).
     """
-    records = [instance.get_latest_data_version_record(keys.main, is_source, rel) for is_source in (True, False)]
+    records = [
+        storage_call(instance.get_latest_data_version_record, keys.main, is_source, rel) for is_source in (True, False)
+    ]
     pointer = max((record.storage_id for record in records if record is not None), default=None)
     return {
         CODE_VERSION_TAG: code_version,
@@ -61,7 +153,9 @@ def built_from_main(
 
 
 def latest_materialization(instance: dg.DagsterInstance, key: dg.AssetKey, rel: str) -> dg.EventLogRecord | None:
-    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[rel]), limit=1)
+    records = storage_call(
+        instance.fetch_materializations, dg.AssetRecordsFilter(asset_key=key, asset_partitions=[rel]), limit=1
+    )
     return records.records[0] if records.records else None
 
 
@@ -77,7 +171,9 @@ def check_statuses(
     instance: dg.DagsterInstance, check_keys: Iterable[dg.AssetCheckKey], rels: Sequence[str]
 ) -> dict[tuple[str, str], str]:
     """(check key text, shard) -> latest execution status (SUCCEEDED, FAILED, PLANNED, ...)."""
-    infos = instance.event_log_storage.get_asset_check_partition_info(list(check_keys), partition_keys=list(rels))
+    infos = storage_call(
+        instance.event_log_storage.get_asset_check_partition_info, list(check_keys), partition_keys=list(rels)
+    )
     return {(info.check_key.to_user_string(), info.partition_key): info.latest_execution_status.value for info in infos}
 
 
@@ -148,8 +244,12 @@ def latest_evaluation(instance: dg.DagsterInstance, check_key: dg.AssetCheckKey,
     from dagster._core.event_api import PartitionKeyFilter
     from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus as Status
 
-    records = instance.event_log_storage.get_asset_check_execution_history(
-        check_key, limit=1, status={Status.SUCCEEDED, Status.FAILED}, partition_filter=PartitionKeyFilter(key=rel)
+    records = storage_call(
+        instance.event_log_storage.get_asset_check_execution_history,
+        check_key,
+        limit=1,
+        status={Status.SUCCEEDED, Status.FAILED},
+        partition_filter=PartitionKeyFilter(key=rel),
     )
     return records[0].evaluation if records else None
 
@@ -165,7 +265,9 @@ def unverified_resized_problems(instance: dg.DagsterInstance, keys: DatasetKeys,
     check_keys = [dg.AssetCheckKey(keys.verify(r), name) for r in RESOLUTIONS for name in RESIZED_CHECKS]
     infos = {
         info.check_key: info
-        for info in instance.event_log_storage.get_asset_check_partition_info(check_keys, partition_keys=[rel])
+        for info in storage_call(
+            instance.event_log_storage.get_asset_check_partition_info, check_keys, partition_keys=[rel]
+        )
     }
     problems = []
     for resolution in RESOLUTIONS:

@@ -23,6 +23,9 @@ import math
 K8S_CONFIG_TAG = "dagster-k8s/config"  # dagster_k8s.job.USER_DEFINED_K8S_CONFIG_KEY
 RAY_CONFIG_TAG = "dagster-ray/config"  # dagster_ray.configs.USER_DEFINED_RAY_KEY
 DATASET_TAG = "fixed_res_sidecar/dataset"  # deploy/dagster.yaml limits runs per value of this tag
+# dagster._core.storage.tags.RETRY_ON_ASSET_OR_OP_FAILURE_TAG: "true" retries a run that failed in a step
+# (deploy/dagster.yaml's run_retries) although the instance's retry_on_asset_or_op_failure says no.
+RETRY_ON_FAILURE_TAG = "dagster/retry_on_asset_or_op_failure"
 GIB = 2**30
 
 
@@ -50,10 +53,12 @@ def launcher_tags(cpu: float, memory_gb: float, *, dataset: str | None = None) -
 def dataset_run_tags(dataset) -> dict[str, str]:
     """Tags on every run of one dataset (`DatasetConfig`): shard runs, automation runs, backfills.
 
-    `fixed_res_sidecar/dataset` (dagster.yaml limits runs per unique value), and the dataset's
-    CPU and memory as `dagster-k8s/config` and `dagster-ray/config`.
+    `fixed_res_sidecar/dataset` (dagster.yaml limits runs per unique value), the dataset's
+    CPU and memory as `dagster-k8s/config` and `dagster-ray/config`, and a retry of a run that
+    failed in a step (a storage outage; a run whose data failed sets it to "false": `history.retry_run_on_failure`).
     """
-    return launcher_tags(dataset.run_resources.cpu, dataset.run_resources.memory_gb, dataset=dataset.name)
+    tags = launcher_tags(dataset.run_resources.cpu, dataset.run_resources.memory_gb, dataset=dataset.name)
+    return {**tags, RETRY_ON_FAILURE_TAG: "true"}
 
 
 def k8s_cpu(cpu: float) -> str:

@@ -11,6 +11,7 @@ from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar_tests.defs.conftest import (
@@ -209,6 +210,12 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
     assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
     refusal(result, "broken.parquet")
+    assert retried_on_failure(instance, result) == "false"  # the data's failure: a retry would repeat it
+
+
+def retried_on_failure(instance, result: dg.ExecuteInProcessResult) -> str:
+    """Whether run retries retry the run after a step failure (every run of a dataset starts with "true")."""
+    return instance.get_run_by_id(result.run_id).tags[RETRY_ON_FAILURE_TAG]
 
 
 def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
@@ -410,6 +417,7 @@ def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_resu
     assert result.get_asset_check_evaluations() == []
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel])
     assert set(statuses.values()) == {"PLANNED"}, statuses  # planned, never evaluated
+    assert retried_on_failure(instance, result) == "true"  # not the data's failure: run retries redo it
 
     faulty_s3.inject(no_get)  # storage is back: a rerun gives the verdict
     rerun = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])

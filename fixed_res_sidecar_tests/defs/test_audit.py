@@ -1,11 +1,14 @@
 """defs/audit.py: the dataset audit tells the truth from the instance's records, and stays incremental."""
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from fixed_res_sidecar.defs import audit as audit_module
 from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.defs.conftest import TINY_ROWS, register, run_shard, swap_two_keys
 
 KEYS = DatasetKeys("tiny")
@@ -96,3 +99,76 @@ def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, 
     assert audit_module.load_state(instance, "tiny") == again
     instance.run_storage.set_cursor_values({audit_module.STATE_KEY.format(dataset="tiny"): "not a state"})
     assert audit_module.load_state(instance, "tiny").shards == {}  # unreadable: read everything again
+
+
+@pytest.fixture
+def postgres_instance(postgres_database, tmp_path):
+    """An instance whose storage is the test's Postgres database (as deploy/dagster.yaml's)."""
+    server = postgres_database.server
+    database = {"hostname": server.host, "port": server.port, "username": "postgres", "password": "unused"}
+    database |= {"db_name": postgres_database.name, "scheme": "postgresql+psycopg2"}
+    overrides = {"storage": {"postgres": {"postgres_db": database}}}
+    with dg.instance_for_test(overrides=overrides, temp_dir=str(tmp_path)) as instance:
+        yield instance
+
+
+WRITERS, SHARDS_PER_WRITER, LATE_PER_WRITER = 4, 25, 2  # 4 x 27 shards x 5 events = 540 events
+EVENTS_PER_SHARD = 5  # 2 materializations, 3 check results
+SETTLE_SECONDS = 5.0  # above the late commits' delay below (and a writer's usual milliseconds)
+# A writer that commits late: its event has taken its storage id when the insert is held up (a real
+# trigger in the database), so events with larger ids become visible first. Applied to the
+# materializations of main and the first check's result of the shards under `late/`.
+LATE_COMMITS = """
+CREATE FUNCTION commit_late() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(1.5); RETURN NEW; END $$;
+CREATE TRIGGER late_materialization BEFORE INSERT ON event_logs FOR EACH ROW
+    WHEN (NEW.partition LIKE 'late/%' AND NEW.dagster_event_type = 'ASSET_MATERIALIZATION'
+          AND NEW.asset_key LIKE '%main%') EXECUTE FUNCTION commit_late();
+CREATE TRIGGER late_check_result BEFORE INSERT ON asset_check_executions FOR EACH ROW
+    WHEN (NEW.partition LIKE 'late/%' AND NEW.check_name = '{check}') EXECUTE FUNCTION commit_late();
+"""
+
+
+def write_shard_events(instance, rels: list[str]) -> None:
+    """What a shard run records of each shard, as runless events: main and resized_512 materialised,
+    verify_512's checks evaluated (Dagster stores each check result in a second transaction)."""
+    for rel in rels:
+        for key, row_count in ((KEYS.main, 7), (KEYS.resized("512"), None)):
+            metadata = {"bytes": 1000 + len(rel)} | ({"dagster/row_count": row_count} if row_count else {})
+            instance.report_runless_asset_event(dg.AssetMaterialization(key, partition=rel, metadata=metadata))
+        for name in RESIZED_CHECKS[:3]:
+            evaluation = dg.AssetCheckEvaluation(
+                asset_key=KEYS.verify("512"), check_name=name, passed=True, partition=rel
+            )
+            instance.report_runless_asset_event(evaluation)
+
+
+def test_the_incremental_audit_misses_no_event_committed_out_of_order(postgres_instance, postgres_database):
+    """4 writers record events on Postgres, some committing late (after events with larger storage ids),
+    while the audit updates incrementally in a loop: its state ends equal to an audit computed from scratch."""
+    instance = postgres_instance
+    postgres_database.server.execute(LATE_COMMITS.format(check=RESIZED_CHECKS[0]), postgres_database.name)
+    slices = [[f"w{w}/part-{i:04d}.parquet" for i in range(SHARDS_PER_WRITER)] for w in range(WRITERS)]
+    for w, rels in enumerate(slices):
+        for i in range(LATE_PER_WRITER):
+            rels.insert(3 + 10 * i, f"late/w{w}-{i}.parquet")  # among the others, not at the end
+    instance.add_dynamic_partitions(KEYS.partitions, [rel for rels in slices for rel in rels])
+    state, updates = audit_module.AuditState(), 0
+    with ThreadPoolExecutor(WRITERS) as pool:
+        writing = [pool.submit(write_shard_events, instance, rels) for rels in slices]
+        while not all(w.done() for w in writing) or not state.cursors.get("settled"):
+            audit_module.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+            updates += 1
+        for w in writing:
+            w.result()
+    audit_module.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+
+    scratch = audit_module.AuditState()
+    assert audit_module.update_state(instance, KEYS, scratch) == sum(map(len, slices)) * EVENTS_PER_SHARD
+    missed = {
+        rel: (want, state.shards.get(rel)) for rel, want in scratch.shards.items() if state.shards.get(rel) != want
+    }
+    print(f"\n{updates} incremental updates; shards differing from an audit from scratch: {len(missed)}")
+    assert not missed, list(missed.items())[:5]
+    assert audit_module.evaluate(instance, KEYS, state) == audit_module.evaluate(instance, KEYS, scratch)
+    assert 0 < state.cursors["settled"] <= state.cursors["high"]  # the incremental reads moved on
