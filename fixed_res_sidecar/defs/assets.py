@@ -15,7 +15,10 @@
   current resized shards in earlier runs (`history.unverified_resized_problems`, read only then). A refused shard
   gets an observation saying why and no materialization; its checks do not run.
   A shard whose selected outputs are up to date and whose last results are on record is not
-  redone: its results are restated for this run (footers read, nothing else).
+  redone: its selected assets are materialised again with their recorded metadata and its check
+  results restated (footers read, nothing else), so every shard of a run is recorded whole, as if
+  it had a run of its own. A shard that fails (a failed check, a refused crop, storage) fails the
+  run, which names it alone; a shard no longer in main is skipped with an observation.
 - `audit`: the dataset audit (defs/audit.py), one per dataset.
 
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
