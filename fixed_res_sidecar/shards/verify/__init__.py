@@ -1,9 +1,11 @@
 """The SPEC 7 verifier: per-shard checks of the resized outputs and of the crop-bbox sidecar.
 
 `report` holds the report types and the reading both verifiers share, `resized` the checks of
-a resized shard (and the crop sidecar's gate on them), `sidecar` the checks of a sidecar shard.
+a resized shard (and the crop sidecar's gate on them), `fidelity` its check that the sampled
+images show the right picture, `sidecar` the checks of a sidecar shard.
 """
 
+from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, write_fidelity_pictures
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     SHARD_COMPLETE,
@@ -34,6 +36,7 @@ __all__ = [
     "AUDIT_CONSISTENT",
     "BOXES_VALID",
     "CROP_BBOX_CHECKS",
+    "FIDELITY",
     "KEYS_MATCH",
     "META_MATCHES_AUDIT",
     "RESIZED_CHECKS",
@@ -49,5 +52,6 @@ __all__ = [
     "resized_verification_problems",
     "verify_crop_bbox_shard",
     "verify_resized_shard",
+    "write_fidelity_pictures",
     "write_report",
 ]

@@ -81,6 +81,12 @@ def shard_stem(rel: str) -> str:
     return rel.removesuffix(SHARD_SUFFIX)
 
 
+def safe_name(key: Any) -> str:
+    """A key as a file-name part (of an overlay or comparison picture): keys may hold slashes or anything else."""
+    text = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+    return text.strip(".")[:80] or "row"
+
+
 def report_rel(rel: str) -> str:
     """Where a shard's report goes: `<rel without .parquet>.verify.json`."""
     return shard_stem(rel) + REPORT_SUFFIX
@@ -93,10 +99,10 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
     return target
 
 
-def sample_rows(candidates: Sequence[int], sample: int, rel: str) -> list[int]:
-    """A sample seeded from the shard path: the same rows every run, and for every resolution."""
+def sample_rows(candidates: Sequence[int], sample: int | None, rel: str) -> list[int]:
+    """A sample seeded from the shard path: the same rows every run, and for every resolution; None: all."""
     seed = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
-    if len(candidates) <= sample:
+    if sample is None or len(candidates) <= sample:
         return list(candidates)
     return sorted(random.Random(seed).sample(list(candidates), sample))
 
