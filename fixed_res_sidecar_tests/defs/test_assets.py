@@ -24,6 +24,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     swap_two_keys,
     write_tiny,
 )
+from fixed_res_sidecar_tests.fixtures.datasets import column
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import every_object_get, no_get
 
 KEYS = DatasetKeys("tiny")
@@ -370,3 +371,66 @@ def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_resu
     faulty_s3.inject(no_get)  # storage is back: a rerun gives the verdict
     rerun = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
     assert rerun.success and all(e.passed for e in rerun.get_asset_check_evaluations())
+
+
+def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_repairs_them(
+    tiny_config, tiny_defs, instance
+):
+    """The reported deploy: three rows of a 512 shard replaced by a turned, a channel-swapped and a
+    black picture of the same size and format (checksums valid). The fidelity check fails on that
+    shard, its crop_bbox is refused, the audit fails naming it; running the shard again rebuilds it."""
+    from fixed_res_sidecar_tests.defs.test_audit import run_audit
+    from fixed_res_sidecar_tests.fixtures.datasets import damage_resized_images, valid_rows
+
+    dataset = tiny_config.datasets[0]
+    rel, other = "nested/x/part-b.parquet", "part-a.parquet"
+    register(instance, tiny_config)
+    for shard in (rel, other):
+        assert run_shard(tiny_defs, instance, "tiny__shard", shard).success
+    r512, prefix = dataset.output("resized_512"), dataset.layout.resized["512"].audit_prefix
+    rows = valid_rows(r512, rel, prefix)[:3]
+    damage_resized_images(r512, dataset.output("resized_1024"), prefix, dict(zip(rows, ["rotated_180", "channels_reversed", "black"])), rel)  # fmt: skip
+
+    result = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    assert not result.success  # a blocking check failed
+    fidelity = {
+        (e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations() if e.check_name == verify.FIDELITY
+    }
+    failed = fidelity[(KEYS.verify("512"), verify.FIDELITY)]
+    assert not failed.passed and fidelity[(KEYS.verify("1024"), verify.FIDELITY)].passed
+    assert r512.child(rel) in failed.description and "3 of" in failed.description
+    assert failed.metadata["failing_rows"].value == 3
+    failing = failed.metadata["failing"].value
+    keys = [f["key"] for f in failing]
+    assert keys == [f"{k}" for k in (column(r512, rel, "image_key")[r] for r in rows)]
+    assert all(f["score"] < -3 for f in failing)
+    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 1  # overlay_embed: 1
+    assert failed.metadata["pictures"].value.count(".png") >= 3
+    statuses = check_partition_status(instance, [dg.AssetCheckKey(KEYS.verify("512"), verify.FIDELITY)], [rel, other])
+    assert statuses == {
+        (f"tiny/verify_512:{verify.FIDELITY}", rel): "FAILED",
+        (f"tiny/verify_512:{verify.FIDELITY}", other): "SUCCEEDED",
+    }
+    # The gate: crop_bbox of that shard is refused (an observation saying why), not materialised.
+    assert KEYS.crop_bbox not in materialized(result)
+    (observation,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
+    assert "fidelity" in observation.event_specific_data.asset_observation.description
+    verified = metadata_of(result, KEYS.verify("512"))
+    assert verified["fidelity_failing_rows"] == 3 and verified["fidelity_score_below_-3"] == 3
+
+    evaluation, audit = run_audit(tiny_defs, instance)
+    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
+    assert f"tiny/verify_512:{verify.FIDELITY} FAILED on 1 shard(s): {rel}" in evaluation.description
+    assert audit["512_fidelity_failing_rows"] == 3 and audit["512_fidelity_score_below_-3"] == 3
+    assert audit["512_fidelity_rows_checked"] == 2 * (TINY_ROWS - 1) and audit["512_fidelity_min_score"] < -3
+
+    # Repair: the failed partition run again (a backfill of the failed partitions does the same) rebuilds
+    # the shard its last report failed, although its footer says it is up to date.
+    repaired = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    assert repaired.success
+    assert metadata_of(repaired, KEYS.resized("512"))["status"] == "built"
+    assert metadata_of(repaired, KEYS.resized("1024"))["status"] == "skipped"
+    assert all(e.passed for e in repaired.get_asset_check_evaluations())
+    evaluation, audit = run_audit(tiny_defs, instance)
+    assert evaluation.passed, evaluation.description
+    assert audit["512_fidelity_failing_rows"] == 0 and audit["512_fidelity_min_score"] >= -3

@@ -11,7 +11,9 @@ from fixed_res_sidecar.shards.verify.report import (
     SHARD_COMPLETE,
     CheckResult,
     ShardReport,
+    failed_outputs,
     report_rel,
+    still_failed,
     write_report,
 )
 from fixed_res_sidecar.shards.verify.resized import (
@@ -47,9 +49,11 @@ __all__ = [
     "GateError",
     "ShardReport",
     "VerifyOptions",
+    "failed_outputs",
     "report_rel",
     "require_verified",
     "resized_verification_problems",
+    "still_failed",
     "verify_crop_bbox_shard",
     "verify_resized_shard",
     "write_fidelity_pictures",

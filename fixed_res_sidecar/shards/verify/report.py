@@ -10,7 +10,7 @@ a check that could not be evaluated is neither failed nor passed, and the run is
 import hashlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -97,6 +97,28 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
     target = report_rel(rel)
     location.write_bytes(target, report.to_json().encode(), protect=protect)
     return target
+
+
+def failed_outputs(document: Mapping[str, Any]) -> dict[str, str | None]:
+    """Shard URI -> the output fingerprint recorded when it was verified, for every resized shard that
+    failed in a verifier report: one shard's report, or a `verify-resized --report` document."""
+    reports = document.get("shards") if isinstance(document.get("shards"), list) else [document]
+    return {
+        report["shard"]: (report.get("stats") or {}).get("output_fingerprint")
+        for report in reports
+        if isinstance(report, dict) and report.get("kind") == "resized" and report.get("passed") is False
+    }
+
+
+def still_failed(layout, rel: str, failed: Mapping[str, str | None]) -> tuple[str, ...]:
+    """The resolutions of shard `rel` whose output failed the verifier (`failed`, from `failed_outputs`)
+    and is still the object that failed (same fingerprint; one stat or HEAD each): what a build told to
+    repair failed shards rebuilds even when skip-existing finds it up to date."""
+    return tuple(
+        name
+        for name, output in layout.resized.items()
+        if (uri := output.location.child(rel)) in failed and failed[uri] in (None, output.location.fingerprint(rel))
+    )
 
 
 def sample_rows(candidates: Sequence[int], sample: int | None, rel: str) -> list[int]:
