@@ -41,6 +41,7 @@ from fixed_res_sidecar.shards.verify import (
     verify_resized_shard,
     write_fidelity_pictures,
 )
+from fixed_res_sidecar.shards.verify.sidecar import DEFAULT_SAMPLE as DEFAULT_CROP_SAMPLE
 
 T = TypeVar("T")
 EXAMPLES_SHOWN = 5  # invalid rows printed in the summary; the JSON report keeps up to 20 per shard
@@ -109,6 +110,12 @@ def add_parser(subparsers) -> None:
     )
     crop.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"].audit_prefix)
     crop.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"].audit_prefix)
+    crop.add_argument(
+        "--sample",
+        type=sample_count,
+        default=DEFAULT_CROP_SAMPLE,
+        help="rows whose crop captions are re-derived and compared per shard, or 'all' (default %(default)s)",
+    )
     crop.add_argument("--overlay-dir", default=None, help="write overlay PNGs of sampled rows here")
     crop.add_argument("--overlay-sample", type=int, default=4, help="overlay pictures per shard")
     _add_common(crop)
@@ -130,6 +137,8 @@ def run_verify_resized(args) -> int:
                 f"no default target area for audit prefix {args.audit_prefix!r}; give --target-area (defaults: {defaults})"
             )
         check_positive(patch_size=args.patch_size, threads=args.threads, target_area=area)
+        if args.sample is not None:
+            check_positive(sample=args.sample)
         output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)
         layout = DatasetLayout(
             Location.parse(args.main_prefix), {output.resolution: output},
@@ -168,6 +177,8 @@ def run_verify_resized(args) -> int:
 def run_verify_crop_bbox(args) -> int:
     try:
         check_positive(overlay_sample=args.overlay_sample, threads=args.threads)
+        if args.sample is not None:
+            check_positive(sample=args.sample)
         layout = sidecar_layout(args, args.sidecar_prefix)
         overlay_dir = Location.parse(args.overlay_dir) if args.overlay_dir else None
         if overlay_dir is not None:
@@ -180,7 +191,8 @@ def run_verify_crop_bbox(args) -> int:
     except StorageError as exc:
         return storage_failed(exc)
 
-    checked = _run_all(shards, _storage_guarded(lambda rel: verify_crop_bbox_shard(layout, rel)), args.threads)
+    verify_shard = _storage_guarded(lambda rel: verify_crop_bbox_shard(layout, rel, args.sample))
+    checked = _run_all(shards, verify_shard, args.threads)
     outputs = {name: output.location for name, output in layout.resized.items()}
     try:
         summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
@@ -198,16 +210,13 @@ def run_verify_crop_bbox(args) -> int:
 
 
 def sample_count(text: str) -> int | None:
-    """`--sample`: a positive count, or 'all' (None: every row)."""
+    """`--sample`: a count (checked like every count, before any work), or 'all' (None: every row)."""
     if text == "all":
         return None
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or 'all', got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer or 'all', got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"must be an integer or 'all', got {text!r}") from None
 
 
 def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report: ShardReport, directory) -> Any:
@@ -385,7 +394,7 @@ def _print_fidelity(reports: list[ShardReport]) -> None:
         )
         if metadata.get("failing_rows"):
             for row in metadata["failing"][:EXAMPLES_SHOWN]:
-                print(f"    row {row['row']} {row['key']!r}: score {_score(row['score'])}: {row['problem']}")
+                print(f"    row {row['row']} {row['key']!r}: {row['problem']}")
         pictures = report.stats.get("fidelity_pictures")
         if pictures:
             shown = (

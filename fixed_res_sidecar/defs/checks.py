@@ -52,6 +52,10 @@ CROP_CHECK_DESCRIPTIONS = {
     verify.KEYS_MATCH: "The key column equals the main shard's, every row, in order.",
     verify.BOXES_VALID: "Every non-null box in the crop columns is four integers in 0..1000 with min <= max.",
     verify.META_MATCHES_AUDIT: "bbox_resize_meta's validity, sizes, crop box and scale agree with both resize audits.",
+    verify.BOXES_REDERIVED: (
+        "For sampled rows, both crop captions and bbox_resize_meta made again from the caption, both resize audits "
+        "and the recorded box keys and caption frame equal what the sidecar stores, byte for byte."
+    ),
 }
 DATASET_AUDIT_CHECK = "dataset_audit"
 

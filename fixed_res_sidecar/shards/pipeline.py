@@ -166,7 +166,7 @@ def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOu
         outcome.crop_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
         return
     outcome.fingerprints["crop_bbox"] = layout.sidecar.fingerprint(rel)
-    outcome.crop_report = verify_crop_bbox_shard(layout, rel)
+    outcome.crop_report = verify_crop_bbox_shard(layout, rel, options.verify.sample)
     reports = layout.report_location("crop_bbox")
     outcome.report_paths["crop_bbox"] = reports.child(
         write_report(reports, rel, outcome.crop_report, protect=layout.read_only)

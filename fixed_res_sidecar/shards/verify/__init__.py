@@ -27,6 +27,7 @@ from fixed_res_sidecar.shards.verify.resized import (
     verify_resized_shard,
 )
 from fixed_res_sidecar.shards.verify.sidecar import (
+    BOXES_REDERIVED,
     BOXES_VALID,
     CROP_BBOX_CHECKS,
     META_MATCHES_AUDIT,
@@ -36,6 +37,7 @@ from fixed_res_sidecar.shards.verify.sidecar import (
 
 __all__ = [
     "AUDIT_CONSISTENT",
+    "BOXES_REDERIVED",
     "BOXES_VALID",
     "CROP_BBOX_CHECKS",
     "FIDELITY",
