@@ -69,7 +69,13 @@ def add_parser(subparsers) -> None:
         "--sample",
         type=sample_count,
         default=VerifyOptions().sample,
-        help="images decoded and compared with their source per shard, or 'all' (default %(default)s)",
+        help="images decoded per shard, or 'all' (also compares every image with its source) (default %(default)s)",
+    )
+    resized.add_argument(
+        "--fidelity-sample",
+        type=sample_count,
+        default=VerifyOptions().fidelity_sample,
+        help="of the sampled images, how many are compared with their source, or 'all' (default %(default)s)",
     )
     resized.add_argument(
         "--no-fidelity", dest="fidelity", action="store_false", help="do not compare images with their source"
@@ -137,8 +143,8 @@ def run_verify_resized(args) -> int:
                 f"no default target area for audit prefix {args.audit_prefix!r}; give --target-area (defaults: {defaults})"
             )
         check_positive(patch_size=args.patch_size, threads=args.threads, target_area=area)
-        if args.sample is not None:
-            check_positive(sample=args.sample)
+        counts = {name: getattr(args, name) for name in ("sample", "fidelity_sample")}
+        check_positive(**{name: value for name, value in counts.items() if value is not None})
         output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)
         layout = DatasetLayout(
             Location.parse(args.main_prefix), {output.resolution: output},
@@ -157,7 +163,13 @@ def run_verify_resized(args) -> int:
     except StorageError as exc:
         return storage_failed(exc)
 
-    options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.sample, fidelity=args.fidelity)
+    options = VerifyOptions(
+        patch_size=args.patch_size,
+        square=args.square,
+        sample=args.sample,
+        fidelity=args.fidelity,
+        fidelity_sample=args.fidelity_sample,
+    )
 
     def verify_shard(rel: str) -> ShardReport:
         report = verify_resized_shard(layout, rel, output.resolution, options)

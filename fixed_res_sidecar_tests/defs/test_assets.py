@@ -82,7 +82,7 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
 
     # Every check passed, and its result is stored for this shard's partition only.
     evaluations = result.get_asset_check_evaluations()
-    assert len(evaluations) == 4 + 4 + 5 and all(e.passed for e in evaluations)
+    assert len(evaluations) == 5 + 5 + 6 and all(e.passed for e in evaluations)
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel, other])
     assert statuses == {(k.to_user_string(), rel): "SUCCEEDED" for k in RESIZED_CHECK_KEYS}
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {rel}
