@@ -77,6 +77,35 @@ def expected_output(
     return Expected(image, psnr(image, decoded(encode_output(image, options)))), None
 
 
+def score_output(
+    source: bytes | None,
+    stored: Image.Image,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None = None,
+    built_with: Sequence[int] = (),
+    min_score: float = FIDELITY_MIN_SCORE,
+) -> tuple[Fidelity, Expected] | str:
+    """`stored` scored against what `source` gives (and that expected output), or why it cannot be.
+
+    The expected image is made as a fused build makes it (with `built_with`); when the stored one
+    fails against it, also as a build of `area` alone makes it (another shrink-on-load factor: a
+    large JPEG built alone scored -3.0 dB against the fused path), and the better score counts. The
+    footer does not say how a shard was built; only failing rows pay for the second render."""
+    paths = [tuple(built_with), ()] if set(built_with) - {area} else [()]
+    best: tuple[Fidelity, Expected] | None = None
+    for others in paths:
+        expected, problem = expected_output(source, area, options, budget, others)
+        if expected is None:
+            return problem or "no expected image"
+        result = fidelity(expected, stored, min_score)
+        if best is None or result.score > best[0].score:
+            best = (result, expected)
+        if result.passed:
+            break
+    return best
+
+
 def decoded(data: bytes) -> Image.Image:
     """Encoded bytes (an allowed format, see core/pixels.py) decoded; raises as Pillow does."""
     with open_image(data) as image:

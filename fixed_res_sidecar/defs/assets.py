@@ -49,7 +49,7 @@ from fixed_res_sidecar.defs.history import (
     recorded_results,
     unverified_resized_problems,
 )
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -163,6 +163,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             threads=sidecar.threads_for(dataset.threads_per_shard),
             skip_existing=sidecar.skip_existing,
             overlay_sample=dataset.overlay_sample,
+            rebuild_failed=context.run.tags.get(REBUILD_FAILED_TAG) == "true",
         )
         rels = list(context.partition_keys)
         current = {

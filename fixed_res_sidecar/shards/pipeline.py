@@ -51,6 +51,9 @@ class PipelineOptions:
     skip_existing: bool = True
     overlay_sample: int = 0  # overlay pictures per shard; 0 draws none
     memory_gb: float = DEFAULT_TASK_MEMORY_GB  # memory of the task building one shard
+    # Rebuild resized shards whose last verifier report failed them, even when skip-existing finds them
+    # up to date (their footer is fine, their pictures may not be): a run told to repair failed shards.
+    rebuild_failed: bool = False
 
 
 @dataclass
@@ -100,7 +103,7 @@ def run_stages(
                 threads=options.threads,
                 skip_existing=options.skip_existing,
                 memory_gb=options.memory_gb,
-                rebuild=failed_on_record(layout, rel, stages.resize) if options.skip_existing else (),
+                rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
@@ -120,8 +123,7 @@ def run_stages(
 
 def failed_on_record(layout: DatasetLayout, rel: str, resolutions: tuple[str, ...]) -> tuple[str, ...]:
     """The resolutions of `rel` whose last verifier report (under the layout's reports) failed the
-    output that is still there: a run that resizes them rebuilds them, up to date or not (so a
-    backfill of the partitions whose checks failed repairs them)."""
+    output that is still there: a run told to repair failed shards rebuilds them, up to date or not."""
     if layout.reports is None:
         return ()
     failed: dict[str, str | None] = {}

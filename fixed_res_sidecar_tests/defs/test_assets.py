@@ -9,7 +9,7 @@ import pytest
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar_tests.defs.conftest import (
@@ -170,7 +170,7 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     result = run_shard(build_definitions(config), instance, "tiny__shard", "broken.parquet")
     assert not result.success  # its blocking checks failed
     failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
-    assert len(failed) == 8 and all(e.partition == "broken.parquet" for e in failed)
+    assert len(failed) == 10 and all(e.partition == "broken.parquet" for e in failed)
     assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
     assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
     refusal(result, "broken.parquet", run_succeeded=False)
@@ -335,14 +335,14 @@ def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, in
     register(instance, config)
     order = instance.get_dynamic_partitions("tiny_shards")
     first = run_batch(defs, instance, order[0], order[-1])
-    assert first.success and len(first.get_asset_check_evaluations()) == 2 * 13
+    assert first.success and len(first.get_asset_check_evaluations()) == 2 * 16
     before = output_files(tmp_path / "out")
 
     again = run_batch(defs, instance, order[0], order[-1])
     assert again.success and not again.get_asset_materialization_events()  # nothing built or re-verified
     assert output_files(tmp_path / "out") == before
     restated = again.get_asset_check_evaluations()
-    assert len(restated) == 2 * 13 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
+    assert len(restated) == 2 * 16 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, order).values()) == {"SUCCEEDED"}
 
 
@@ -424,9 +424,14 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     assert audit["512_fidelity_failing_rows"] == 3 and audit["512_fidelity_score_below_-3"] == 3
     assert audit["512_fidelity_rows_checked"] == 2 * (TINY_ROWS - 1) and audit["512_fidelity_min_score"] < -3
 
-    # Repair: the failed partition run again (a backfill of the failed partitions does the same) rebuilds
-    # the shard its last report failed, although its footer says it is up to date.
-    repaired = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    # A plain rerun keeps the shard (its footer is up to date) and fails again; a run told to repair failed
+    # shards (the tag; a backfill of the failed partitions with it does the same) rebuilds it.
+    assert not run_shard(tiny_defs, instance, "tiny__shard", rel).success
+    job = tiny_defs.resolve_job_def("tiny__shard")
+    tags = {REBUILD_FAILED_TAG: "true"}
+    repaired = job.execute_in_process(
+        partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET, tags=tags
+    )
     assert repaired.success
     assert metadata_of(repaired, KEYS.resized("512"))["status"] == "built"
     assert metadata_of(repaired, KEYS.resized("1024"))["status"] == "skipped"

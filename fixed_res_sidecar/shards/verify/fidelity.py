@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image
 
-from fixed_res_sidecar.core.fidelity import Expected, decoded, expected_output, fidelity
+from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Expected, Fidelity, decoded, score_output
 from fixed_res_sidecar.core.image_cell import image_bytes
 from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.overlay import comparison_picture
@@ -104,25 +104,30 @@ def score_row(
     budget: MemoryBudget | None,
     min_score: float,
 ) -> RowScore:
-    compared = compared_images(source, stored, area, options, budget)
-    if isinstance(compared, str):
-        return RowScore(row, key, None, None, compared)
-    expected, stored_image = compared
-    result = fidelity(expected, stored_image, min_score)
+    scored = scored_images(source, stored, area, options, budget, min_score)
+    if isinstance(scored, str):
+        return RowScore(row, key, None, None, scored)
+    result = scored[0]
     return RowScore(row, key, result.score, result.psnr, result.problem)
 
 
-def compared_images(
-    source: bytes | None, stored: bytes, area: int, options: PixelOptions, budget: MemoryBudget | None
-) -> tuple[Expected, Image.Image] | str:
-    """(the expected output, the stored one decoded), or why they cannot be compared."""
-    expected, problem = expected_output(source, area, options, budget, FUSED_AREAS)
-    if expected is None:
-        return problem or "no expected image"
+def scored_images(
+    source: bytes | None,
+    stored: bytes,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None,
+    min_score: float,
+) -> tuple[Fidelity, Expected, Image.Image] | str:
+    """(the score, the expected output, the stored one decoded), or why they cannot be compared."""
     try:
-        return expected, decoded(stored)
+        stored_image = decoded(stored)
     except Exception as exc:  # noqa: BLE001 - a stored image that does not decode fails this row
         return f"the stored image does not decode: {describe(exc)}"
+    scored = score_output(source, stored_image, area, options, budget, FUSED_AREAS, min_score)
+    if isinstance(scored, str):
+        return scored
+    return (*scored, stored_image)
 
 
 def fidelity_result(uri: str, scored: list[RowScore], min_score: float) -> CheckResult:
@@ -167,6 +172,7 @@ def write_fidelity_pictures(
     """For each failing row of a fidelity `check` (the first MAX_PROBLEMS): expected | stored
     | difference, as PNG under `directory/<rel without .parquet>/<resolution>/<row>-<key>.png`;
     returns their URIs. Rows whose images cannot be made get no picture."""
+    min_score = check.metadata.get("min_score_allowed", FIDELITY_MIN_SCORE)
     failing = check.metadata.get("failing", [])[:MAX_PROBLEMS]
     if not failing:
         return []
@@ -182,11 +188,13 @@ def write_fidelity_pictures(
     written = []
     for entry in failing:
         row = entry["row"]
-        compared = compared_images(sources.get(row), image_bytes(stored[row][layout.image_column]), area, options, None)
-        if isinstance(compared, str):
+        scored = scored_images(
+            sources.get(row), image_bytes(stored[row][layout.image_column]), area, options, None, min_score
+        )
+        if isinstance(scored, str):
             continue
-        expected, stored_image = compared
-        picture = comparison_picture(expected.image, stored_image, f"score {_dB(entry['score'])}")
+        result, expected, stored_image = scored
+        picture = comparison_picture(expected.image, stored_image, f"score {_dB(result.score)}")
         target = f"{shard_stem(rel)}/{resolution}/{row:06d}-{safe_name(entry['key'])}.png"
         directory.write_bytes(target, picture, protect=layout.read_only)
         written.append(directory.child(target))
