@@ -8,6 +8,7 @@ from PIL import Image
 from fixed_res_sidecar.core.fidelity import (
     FIDELITY_MIN_SCORE,
     IDENTICAL_PSNR,
+    OTHER_PATH_BELOW,
     PSNR_CAP,
     Expected,
     decoded,
@@ -15,9 +16,11 @@ from fixed_res_sidecar.core.fidelity import (
     expected_output,
     fidelity,
     psnr,
+    score_output,
 )
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
 from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.sample_data import make_photo
 from fixed_res_sidecar_tests.fixtures.images import jpeg_bytes, photo_like, png_bytes
 
 
@@ -105,3 +108,16 @@ def test_difference_image_is_dark_where_equal_and_bright_where_not():
     difference = difference_image(left, right)
     assert difference.getpixel((2, 2)) == (0, 0, 0) and difference.getpixel((15, 2)) == (240, 0, 0)
     assert difference_image(left, Image.new("RGB", (5, 5))).size == left.size
+
+
+def test_a_one_resolution_build_is_scored_against_its_own_rendering_path():
+    """A smooth 1200x900 JPEG built at 512 alone is shrunk on load more than in the fused build: against
+    the fused render it scores below OTHER_PATH_BELOW; score_output renders it the other way too and keeps
+    the better."""
+    source = make_photo(1200, 900, 1)[0]
+    (alone,) = process_image(source, [AREA_512], PixelOptions())
+    stored = decoded(alone.image)
+    fused, _ = expected_output(source, AREA_512, PixelOptions(), built_with=(AREA_1024,))
+    assert fidelity(fused, stored).score < OTHER_PATH_BELOW
+    result, expected = score_output(source, stored, AREA_512, PixelOptions(), built_with=(AREA_1024, AREA_512))
+    assert result.score == 0.0 and expected.image.size == stored.size
