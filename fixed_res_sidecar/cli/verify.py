@@ -384,13 +384,10 @@ def _print_fidelity(reports: list[ShardReport]) -> None:
     medians = [c.metadata["median_score"] for _, c in results if c.metadata.get("median_score") is not None]
     lowest = min((c.metadata["min_score"] for _, c in results if c.metadata.get("min_score") is not None), default=None)
     limit = results[0][1].metadata.get("min_score_allowed")
+    scores = f"; lowest score {lowest:.2f} dB, median of shard medians {statistics.median(medians):.2f} dB"
     print(
         f"fidelity: {checked} rows compared with their source, {failing} failing (score below {limit:g} dB)"
-        + (
-            f"; lowest score {lowest:.2f} dB, median of shard medians {statistics.median(medians):.2f} dB"
-            if medians
-            else ""
-        )
+        + (scores if medians else "")
     )
     # Per shard: every failing one, and the lowest-scoring others (the JSON report has them all).
     by_score = sorted(
@@ -407,14 +404,11 @@ def _print_fidelity(reports: list[ShardReport]) -> None:
         if metadata.get("failing_rows"):
             for row in metadata["failing"][:EXAMPLES_SHOWN]:
                 print(f"    row {row['row']} {row['key']!r}: {row['problem']}")
-        pictures = report.stats.get("fidelity_pictures")
-        if pictures:
-            shown = (
-                pictures
-                if isinstance(pictures, str)
-                else ", ".join(pictures[:3]) + (" ..." if len(pictures) > 3 else "")
-            )
-            print(f"    pictures: {shown}")
+        pictures = report.stats.get("fidelity_pictures")  # their paths, or why they could not be drawn
+        if isinstance(pictures, list) and pictures:
+            print(f"    pictures: {', '.join(pictures[:3])}" + (" ..." if len(pictures) > 3 else ""))
+        elif pictures:
+            print(f"    pictures: {pictures}")
 
 
 def _score(value: float | None) -> str:
