@@ -5,6 +5,7 @@
     python -m benchmarks --memory            # peak RSS of one ~2 GB shard with 4 threads
     python -m benchmarks --cprofile          # CPU profile of the fused build of one shard
     python -m benchmarks --dagster-scale     # Dagster at 10k/100k partitions on Postgres (~13 min)
+    python -m benchmarks --fidelity          # fidelity scores of good and damaged outputs; verifier cost
 
 Run from the repository root. Without a mode option it runs the comparison; --compare adds
 it to the other modes. Each mode lives in its own module (compare, webp_methods, memory,
@@ -24,6 +25,7 @@ from benchmarks.common import DEFAULT_METHOD, DEFAULT_WORKDIR
 from benchmarks.compare import run_compare
 from benchmarks.dagster_scale import ScaleOptions, run_dagster_scale
 from benchmarks.dagster_scale_metrics import print_dagster_scale
+from benchmarks.fidelity import print_fidelity, run_fidelity
 from benchmarks.memory import print_memory, run_memory
 from benchmarks.naive_venv import NAIVE_PILLOW_VERSION, NAIVE_VENV_NAME, naive_runtime
 from benchmarks.profiling import run_cprofile
@@ -81,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--cprofile", action="store_true", help="print a cProfile of the fused build of the first shard"
     )
+    parser.add_argument(
+        "--fidelity",
+        action="store_true",
+        help="fidelity score distributions and the verifier's cost with and without it",
+    )
+    parser.add_argument("--fidelity-rows", type=int, default=64, help="rows of the --fidelity cost shard (default 64)")
+    parser.add_argument("--fidelity-quick", action="store_true", help=argparse.SUPPRESS)  # the smoke test
     scale = parser.add_argument_group("--dagster-scale (see benchmarks/README.md, 'Dagster scale')")
     scale.add_argument(
         "--dagster-scale", action="store_true", help="Dagster on Postgres with a live daemon at many partitions"
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     common = {"seed": args.seed, "profile": args.profile, "style": args.style}
     report: dict[str, Any] = {}
-    if args.compare or not (args.webp_methods or args.memory or args.cprofile or args.dagster_scale):
+    if args.compare or not (args.webp_methods or args.memory or args.cprofile or args.dagster_scale or args.fidelity):
         naive = naive_runtime(
             args.workdir,
             on_installed_pil=args.naive_on_installed_pil,
@@ -159,6 +168,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dagster_scale:
         report["dagster_scale"] = run_dagster_scale(args.workdir, scale_options(args))
         print_dagster_scale(report["dagster_scale"])
+    if args.fidelity:
+        report["fidelity"] = run_fidelity(
+            args.workdir, args.fidelity_rows, quick=args.fidelity_quick, seed=args.seed, profile=args.profile
+        )
+        print_fidelity(report["fidelity"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return report

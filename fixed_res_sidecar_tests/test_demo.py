@@ -28,7 +28,7 @@ def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch,
     for resolution in ("512", "1024"):
         rows = first.rows[resolution]
         assert rows["valid"] + rows["invalid"] == 12 and rows["invalid"] == sum(rows["errors"].values()) >= 1
-    assert len(first.checks) == 4 + 4 + 5
+    assert len(first.checks) == 5 + 5 + 6
     assert all(counter["passed"] == 2 for counter in first.checks.values())
     assert first.audit is not None and first.audit[0], first.audit
     assert first.overlays and all(path.endswith(".png") for path in first.overlays)

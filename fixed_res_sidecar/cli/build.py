@@ -2,6 +2,7 @@
 
 import argparse
 import functools
+import json
 import sys
 from collections import Counter
 
@@ -18,7 +19,12 @@ from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
-from fixed_res_sidecar.shards.resize import DECODE_MEMORY_SHARE, DEFAULT_TASK_MEMORY_GB, build_resized_shard
+from fixed_res_sidecar.shards.resize import (
+    DECODE_MEMORY_SHARE,
+    DEFAULT_TASK_MEMORY_GB,
+    ShardResult,
+    build_resized_shard,
+)
 from fixed_res_sidecar.shards.runner import (
     Progress,
     RunSummary,
@@ -26,6 +32,7 @@ from fixed_res_sidecar.shards.runner import (
     run_shards,
 )
 from fixed_res_sidecar.shards.settings import SOURCES
+from fixed_res_sidecar.shards.verify import failed_outputs, still_failed
 
 
 def add_parser(subparsers) -> None:
@@ -66,6 +73,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-source-side", type=int, default=defaults.min_source_side)
     parser.add_argument("--background", default=None, help="composite transparency on R,G,B instead of keeping it")
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
+    parser.add_argument(
+        "--rebuild-failed",
+        action="append",
+        default=[],
+        metavar="REPORT",
+        help="a verify-resized --report JSON (repeatable): rebuild the shards it failed, even with --skip-existing "
+        "(those rewritten since are left to --skip-existing)",
+    )
     parser.add_argument("--max-inflight", type=int, default=8, help="shards in flight at once")
     parser.add_argument("--task-cpus", type=int, default=1, help="CPUs per shard task")
     parser.add_argument(
@@ -108,6 +123,27 @@ def _pixel_options(args) -> PixelOptions:
     return PixelOptions.from_values({**vars(args), "background": background})
 
 
+def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
+    """Shard URI -> recorded fingerprint of every resized shard the verifier reports at `paths` failed."""
+    failed: dict[str, str | None] = {}
+    for path in paths:
+        folder, name = Location.file(path)
+        try:
+            document = json.loads(folder.read_bytes(name))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--rebuild-failed {path}: not a readable verifier report ({exc})") from None
+        if not isinstance(document, dict):
+            raise ValueError(f"--rebuild-failed {path}: not a verifier report")
+        failed.update(failed_outputs(document))
+    return failed
+
+
+def _build_shard(layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], **options) -> ShardResult:
+    """One shard's build, rebuilding its outputs that a verifier report failed (`--rebuild-failed`)."""
+    rebuild = still_failed(layout, rel, failed) if failed else ()
+    return build_resized_shard(layout, rel, rebuild=rebuild, **options)
+
+
 def run(args) -> int:
     # Everything is validated before any shard is touched (bad configuration does no work).
     try:
@@ -119,6 +155,7 @@ def run(args) -> int:
             raise ValueError("--task-memory-gb must be positive")
         layout = _layout(args)
         options = _pixel_options(args)
+        failed = _failed_in_reports(args.rebuild_failed)
         shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
@@ -126,8 +163,9 @@ def run(args) -> int:
         return storage_failed(exc)
     main = layout.main
     job = functools.partial(
-        build_resized_shard,
+        _build_shard,
         layout,
+        failed=failed,
         options=options,
         threads=args.threads_per_shard,
         skip_existing=args.skip_existing,

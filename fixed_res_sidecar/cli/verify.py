@@ -8,7 +8,9 @@ A shard whose storage kept failing (after retries) has no report: it is listed a
 checked, and the exit status is 3 (STORAGE_FAILED) unless a check failed elsewhere (1).
 """
 
+import argparse
 import json
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -32,11 +34,14 @@ from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
 from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.verify import (
+    FIDELITY,
     ShardReport,
     VerifyOptions,
     verify_crop_bbox_shard,
     verify_resized_shard,
+    write_fidelity_pictures,
 )
+from fixed_res_sidecar.shards.verify.sidecar import DEFAULT_SAMPLE as DEFAULT_CROP_SAMPLE
 
 T = TypeVar("T")
 EXAMPLES_SHOWN = 5  # invalid rows printed in the summary; the JSON report keeps up to 20 per shard
@@ -60,7 +65,24 @@ def add_parser(subparsers) -> None:
     )
     resized.add_argument("--patch-size", type=int, default=32)
     resized.add_argument("--square", action="store_true", help="the dataset was built with --square")
-    resized.add_argument("--sample", type=int, default=32, help="images decoded per shard")
+    resized.add_argument(
+        "--sample",
+        type=sample_count,
+        default=VerifyOptions().sample,
+        help="images decoded per shard, or 'all' (also compares every image with its source) (default %(default)s)",
+    )
+    resized.add_argument(
+        "--fidelity-sample",
+        type=sample_count,
+        default=VerifyOptions().fidelity_sample,
+        help="of the sampled images, how many are compared with their source, or 'all' (default %(default)s)",
+    )
+    resized.add_argument(
+        "--no-fidelity", dest="fidelity", action="store_false", help="do not compare images with their source"
+    )
+    resized.add_argument(
+        "--picture-dir", default=None, help="write expected | stored | difference PNGs of rows failing fidelity here"
+    )
     _add_common(resized)
     resized.set_defaults(func=run_verify_resized)
 
@@ -94,6 +116,12 @@ def add_parser(subparsers) -> None:
     )
     crop.add_argument("--audit-prefix-512", default=RESOLUTIONS["512"].audit_prefix)
     crop.add_argument("--audit-prefix-1024", default=RESOLUTIONS["1024"].audit_prefix)
+    crop.add_argument(
+        "--sample",
+        type=sample_count,
+        default=DEFAULT_CROP_SAMPLE,
+        help="rows whose crop captions are re-derived and compared per shard, or 'all' (default %(default)s)",
+    )
     crop.add_argument("--overlay-dir", default=None, help="write overlay PNGs of sampled rows here")
     crop.add_argument("--overlay-sample", type=int, default=4, help="overlay pictures per shard")
     _add_common(crop)
@@ -114,7 +142,9 @@ def run_verify_resized(args) -> int:
             raise ValueError(
                 f"no default target area for audit prefix {args.audit_prefix!r}; give --target-area (defaults: {defaults})"
             )
-        check_positive(patch_size=args.patch_size, sample=args.sample, threads=args.threads, target_area=area)
+        check_positive(patch_size=args.patch_size, threads=args.threads, target_area=area)
+        counts = {name: getattr(args, name) for name in ("sample", "fidelity_sample")}
+        check_positive(**{name: value for name, value in counts.items() if value is not None})
         output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)
         layout = DatasetLayout(
             Location.parse(args.main_prefix), {output.resolution: output},
@@ -122,18 +152,32 @@ def run_verify_resized(args) -> int:
         )  # fmt: skip
         layout.check_locations()
         _check_report_path(args.report, layout)
+        picture_dir = Location.parse(args.picture_dir) if args.picture_dir else None
+        if picture_dir is not None:
+            check_writable(
+                picture_dir, [*layout.described_read_only(), ("the output", output.location)], "--picture-dir"
+            )
         shards = _shards(layout.main, args.shard)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
     except StorageError as exc:
         return storage_failed(exc)
 
-    options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.sample)
-    checked = _run_all(
-        shards,
-        _storage_guarded(lambda rel: verify_resized_shard(layout, rel, output.resolution, options)),
-        args.threads,
+    options = VerifyOptions(
+        patch_size=args.patch_size,
+        square=args.square,
+        sample=args.sample,
+        fidelity=args.fidelity,
+        fidelity_sample=args.fidelity_sample,
     )
+
+    def verify_shard(rel: str) -> ShardReport:
+        report = verify_resized_shard(layout, rel, output.resolution, options)
+        if picture_dir is not None and not report.check(FIDELITY).passed:
+            report.stats["fidelity_pictures"] = _fidelity_pictures(layout, rel, output.resolution, report, picture_dir)
+        return report
+
+    checked = _run_all(shards, _storage_guarded(verify_shard), args.threads)
     try:
         summary = dataset_summary(layout.main, {output.resolution: output.location})
     except StorageError as exc:
@@ -145,6 +189,8 @@ def run_verify_resized(args) -> int:
 def run_verify_crop_bbox(args) -> int:
     try:
         check_positive(overlay_sample=args.overlay_sample, threads=args.threads)
+        if args.sample is not None:
+            check_positive(sample=args.sample)
         layout = sidecar_layout(args, args.sidecar_prefix)
         overlay_dir = Location.parse(args.overlay_dir) if args.overlay_dir else None
         if overlay_dir is not None:
@@ -157,7 +203,8 @@ def run_verify_crop_bbox(args) -> int:
     except StorageError as exc:
         return storage_failed(exc)
 
-    checked = _run_all(shards, _storage_guarded(lambda rel: verify_crop_bbox_shard(layout, rel)), args.threads)
+    verify_shard = _storage_guarded(lambda rel: verify_crop_bbox_shard(layout, rel, args.sample))
+    checked = _run_all(shards, verify_shard, args.threads)
     outputs = {name: output.location for name, output in layout.resized.items()}
     try:
         summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
@@ -172,6 +219,27 @@ def run_verify_crop_bbox(args) -> int:
         checked += [(f"{rel} (overlay pictures)", reason) for rel, reason in storage.items()]
         header += f"\noverlays: {written} picture(s) under {overlay_dir.uri}"
     return _finish("verify-crop-bbox", header, checked, summary, args.report, layout, overlay_failures)
+
+
+def sample_count(text: str) -> int | None:
+    """`--sample`: a count (checked like every count, before any work), or 'all' (None: every row)."""
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or 'all', got {text!r}") from None
+
+
+def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report: ShardReport, directory) -> Any:
+    """The comparison pictures of a shard's failing rows; pictures are for people: a failure to draw
+    them is reported in their place and changes no verdict (storage failures still propagate)."""
+    try:
+        return write_fidelity_pictures(layout, rel, resolution, report.check(FIDELITY), directory)
+    except StorageError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return f"could not be drawn: {describe_exception(exc, max_chars=300)}"
 
 
 def _storage_guarded(verify_shard: Callable[[str], ShardReport]) -> Callable[[str], tuple[str, ShardReport | str]]:
@@ -302,9 +370,51 @@ def _print_summary(reports: list[ShardReport], summary: dict[str, Any]) -> None:
         if missing:
             line += f"; missing {len(missing)}: {', '.join(missing[:5])}" + (", ..." if len(missing) > 5 else "")
         print(line)
+    _print_fidelity(reports)
     for report in failed:
         for check in report.failed_checks:
             print(f"FAILED {check.name} on {report.rel}: {check.message}")
+
+
+def _print_fidelity(reports: list[ShardReport]) -> None:
+    """Fidelity per shard (score min and median) and every failing row by key with its score."""
+    results = [(r, c) for r in reports for c in r.checks if c.name == FIDELITY and c.metadata.get("checked")]
+    if not results:
+        return
+    checked = sum(c.metadata["checked"] for _, c in results)
+    failing = sum(c.metadata.get("failing_rows", 0) for _, c in results)
+    medians = [c.metadata["median_score"] for _, c in results if c.metadata.get("median_score") is not None]
+    lowest = min((c.metadata["min_score"] for _, c in results if c.metadata.get("min_score") is not None), default=None)
+    limit = results[0][1].metadata.get("min_score_allowed")
+    scores = f"; lowest score {lowest:.2f} dB, median of shard medians {statistics.median(medians):.2f} dB"
+    print(
+        f"fidelity: {checked} rows compared with their source, {failing} failing (score below {limit:g} dB)"
+        + (scores if medians else "")
+    )
+    # Per shard: every failing one, and the lowest-scoring others (the JSON report has them all).
+    by_score = sorted(
+        results, key=lambda rc: (rc[1].metadata.get("min_score") is not None, rc[1].metadata.get("min_score") or 0)
+    )
+    for rank, (report, check) in enumerate(by_score):
+        metadata = check.metadata
+        if rank >= EXAMPLES_SHOWN and not metadata.get("failing_rows"):
+            continue
+        print(
+            f"  {report.rel}: {metadata['checked']} compared, score min {_score(metadata.get('min_score'))}, "
+            f"median {_score(metadata.get('median_score'))}, {metadata.get('failing_rows', 0)} failing"
+        )
+        if metadata.get("failing_rows"):
+            for row in metadata["failing"][:EXAMPLES_SHOWN]:
+                print(f"    row {row['row']} {row['key']!r}: {row['problem']}")
+        pictures = report.stats.get("fidelity_pictures")  # their paths, or why they could not be drawn
+        if isinstance(pictures, list) and pictures:
+            print(f"    pictures: {', '.join(pictures[:3])}" + (" ..." if len(pictures) > 3 else ""))
+        elif pictures:
+            print(f"    pictures: {pictures}")
+
+
+def _score(value: float | None) -> str:
+    return "none" if value is None else f"{value:.2f} dB"
 
 
 def _short(text: Any, limit: int = 120) -> str:

@@ -1,4 +1,5 @@
-"""Overlay pictures of the crop-bbox sidecar (SPEC 7): pure, encoded bytes and captions in, PNG out.
+"""Overlay pictures of the crop-bbox sidecar (SPEC 7): pure, encoded bytes and captions in, PNG out;
+and the fidelity check's comparison pictures (expected | stored | difference).
 
 Three panels stacked, each PANEL_WIDTH wide (so labels stay readable where the picture is shown
 at its natural size, e.g. in the Dagster UI): the original (shown upright, EXIF orientation
@@ -34,6 +35,7 @@ from fixed_res_sidecar.core.bbox import (
     walk_box_slots,
 )
 from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.core.fidelity import difference_image
 from fixed_res_sidecar.core.orientation import (
     oriented_size,
     read_orientation,
@@ -140,6 +142,20 @@ def overlay_picture(
         _original_panel(original, caption, labels[0], panel_width, bbox_keys, caption_frame == "raw", limit),
         _resized_panel(img_512, crop_512, labels[1], panel_width, bbox_keys, limit),
         _resized_panel(img_1024, crop_1024, labels[2], panel_width, bbox_keys, limit),
+    ]
+    return _compose(panels)
+
+
+def comparison_picture(
+    expected: Image.Image, stored: Image.Image, score_text: str, *, panel_width: int = PANEL_WIDTH
+) -> bytes:
+    """A PNG of a fidelity failure (core/fidelity.py): the expected output | the stored one | their
+    difference (times 4: encoder noise stays dark, a wrong picture is bright), stacked like the
+    overlay pictures so they read the same way in the Dagster UI."""
+    panels = [
+        _Panel(f"expected {expected.width}x{expected.height}", _scaled(expected, panel_width), []),
+        _Panel(f"stored {stored.width}x{stored.height}, {score_text}", _scaled(stored, panel_width), []),
+        _Panel("difference x4", _scaled(difference_image(expected, stored), panel_width), []),
     ]
     return _compose(panels)
 

@@ -82,6 +82,8 @@ INTERMEDIATE_MIN_RATIO = 1.75
 OUTPUT_FORMATS = {"webp": "WEBP", "jpeg": "JPEG", "png": "PNG"}
 # zlib level for PNG output: level 6 (Pillow's default) takes 2.4x as long for files ~4% smaller.
 PNG_COMPRESS_LEVEL = 1
+# What JPEG output (no alpha channel) composites transparency onto when no background is set.
+JPEG_BACKGROUND = (255, 255, 255)
 # Largest side each encoder can write.
 ENCODER_MAX_SIDE = {"webp": 16383, "jpeg": 65535, "png": 2**31 - 1}
 
@@ -166,6 +168,15 @@ class PixelOptions:
         """The options named in `values` (command-line arguments, a dataset's settings); others default."""
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in names})
+
+
+def reference_options(options: PixelOptions) -> PixelOptions:
+    """The same rendering as `options`, encoded losslessly (PNG): the pixels an output of `options`
+    shows before its encoder's loss (what the verifier's fidelity check compares it with)."""
+    background = options.background
+    if background is None and options.output_format == "jpeg":
+        background = JPEG_BACKGROUND
+    return replace(options, output_format="png", background=background)
 
 
 @dataclass
@@ -771,7 +782,7 @@ def _render(
     except Exception as exc:
         return _invalid(known, _RowError(ErrorCode.UNSUPPORTED, describe_exception(exc), target))
     try:
-        encoded = _encode(finished, options)
+        encoded = encode_output(finished, options)
     except Exception as exc:
         return _invalid(known, _RowError(ErrorCode.ENCODE_ERROR, describe_exception(exc), target))
     record = _with_geometry(replace(known), target)
@@ -839,7 +850,7 @@ def _finish(image: Image.Image, decoded: _Decoded, options: PixelOptions) -> tup
     if image.mode in ALPHA_MODES:
         background = options.background
         if background is None and options.output_format == "jpeg":
-            background = (255, 255, 255)  # JPEG has no alpha channel
+            background = JPEG_BACKGROUND
         if background is not None:
             rgba = image if image.mode == "RGBA" else image.convert("RGBA")
             canvas = Image.new("RGB", rgba.size, background)
@@ -848,7 +859,8 @@ def _finish(image: Image.Image, decoded: _Decoded, options: PixelOptions) -> tup
     return to_upright(image, decoded.orientation), note
 
 
-def _encode(image: Image.Image, options: PixelOptions) -> bytes:
+def encode_output(image: Image.Image, options: PixelOptions) -> bytes:
+    """A finished (sRGB, upright) image encoded as `options` say: what an output row holds."""
     buffer = io.BytesIO()
     if options.output_format == "webp":
         image.save(buffer, "WEBP", quality=options.quality, method=options.webp_method)

@@ -41,6 +41,7 @@ from fixed_res_sidecar.defs.checks import (
     crop_check_specs,
     dataset_audit_check_specs,
     examples_table,
+    fidelity_numbers,
     report_counts,
     resized_check_specs,
     target_data,
@@ -55,7 +56,7 @@ from fixed_res_sidecar.defs.history import (
     unverified_resized_problems,
     wait_for_storage,
 )
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -170,6 +171,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             threads=sidecar.threads_for(dataset.threads_per_shard),
             skip_existing=sidecar.skip_existing,
             overlay_sample=dataset.overlay_sample,
+            rebuild_failed=context.run.tags.get(REBUILD_FAILED_TAG) == "true",
         )
         rels = list(context.partition_keys)
         problems: dict[str, list[str]] = {}  # shard -> why it failed; the others' results stand
@@ -308,11 +310,13 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
                 VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
                 "failed_checks": dg.MetadataValue.json(failed),
                 **report_counts(report),
+                **fidelity_numbers(report),
                 "invalid_examples": examples_table(report.examples),
             },
         )
         target = latest_materialization(instance, keys.verify(resolution), rel)
-        yield from check_evaluations(report, keys.verify(resolution), verify.RESIZED_CHECKS, rel, target)
+        pictures = {verify.FIDELITY: _fidelity_picture_metadata(dataset, outcome.fidelity_pictures.get(resolution))}
+        yield from check_evaluations(report, keys.verify(resolution), verify.RESIZED_CHECKS, rel, target, pictures)
     if outcome.crop_refused:
         yield refusal(keys, rel, outcome.crop_refused, context)
     elif outcome.crop_problem:
@@ -441,6 +445,16 @@ def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> 
     link = overlays.link(outcome.overlays[0].removeprefix(overlays.uri.rstrip("/") + "/"))
     metadata["overlay_full_size"] = dg.MetadataValue.url(link) if overlays.is_s3 else dg.MetadataValue.path(link)
     return metadata
+
+
+def _fidelity_picture_metadata(dataset: DatasetConfig, pictures: list[str] | str | None) -> dict[str, dg.MetadataValue]:
+    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays."""
+    if not pictures:
+        return {}
+    if isinstance(pictures, str):
+        return {"pictures": dg.MetadataValue.text(f"comparison pictures could not be drawn: {pictures}")}
+    location = dataset.layout.report_location("fidelity")
+    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, dataset.overlay_embed))}
 
 
 def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:

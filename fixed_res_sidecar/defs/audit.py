@@ -29,6 +29,7 @@ computed from scratch. The bound assumes a writer commits within SETTLE_SECONDS 
 and the clocks of the machines running the audit agree to within a fraction of it.
 """
 
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.sensors import REMOVED
 from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
+from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
 PAGE = 10_000  # event records read at a time
@@ -119,6 +121,7 @@ def update_state(
                     _int(metadata.get("invalid")),
                     {code: n for code, n in errors.items() if n},
                 ]
+                shard[f"fidelity_{slot.removeprefix('verify_')}"] = fidelity_state(metadata)
     # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
     for record in _new_events(instance.fetch_observations, keys.main, after):
         high = max(high, record.storage_id)
@@ -194,6 +197,21 @@ def _new_events(fetch, key: dg.AssetKey, after: int):
         cursor = page.cursor
 
 
+def fidelity_state(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What a verifier materialization says about fidelity (defs/checks.py `fidelity_numbers`)."""
+    return {
+        "checked": _int(metadata.get("fidelity_rows_checked")),
+        "failing": _int(metadata.get("fidelity_failing_rows")),
+        "min": _float(metadata.get("fidelity_min_score")),
+        "median": _float(metadata.get("fidelity_median_score")),
+        "bins": {bin: _int(metadata.get(f"fidelity_score_{bin}")) for bin in SCORE_BINS},
+    }
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -222,6 +240,9 @@ class DatasetAudit:
     crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
     orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
     under_way: str | None = None  # what is still running, if anything
+    # resolution -> fidelity over the latest verification of every shard: rows compared, failing rows, rows per
+    # score bin, the lowest score and the shards' median scores
+    fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def failed_shards(self) -> list[str]:
@@ -328,7 +349,27 @@ class DatasetAudit:
             numbers[f"{r}_invalid_rows"] = self.invalid.get(r, 0)
             for code in ERROR_CODES:
                 numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
-        return {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
+        metadata = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
+        for r in RESOLUTIONS:
+            metadata.update(self.fidelity_metadata(r))
+        return metadata
+
+    def fidelity_metadata(self, resolution: str) -> dict[str, dg.MetadataValue]:
+        """Fidelity over the dataset's latest verifications: rows compared and failing, rows per score
+        bin, the lowest score and the median of the shards' median scores (numbers a plot draws)."""
+        found = self.fidelity.get(resolution) or {"checked": 0, "failing": 0, "bins": {}, "min": None, "medians": []}
+        prefix = f"{resolution}_fidelity"
+        metadata = {
+            f"{prefix}_rows_checked": dg.MetadataValue.int(found["checked"]),
+            f"{prefix}_failing_rows": dg.MetadataValue.int(found["failing"]),
+            **{f"{prefix}_score_{bin}": dg.MetadataValue.int(found["bins"].get(bin, 0)) for bin in SCORE_BINS},
+        }
+        lowest, medians = found["min"], found["medians"]
+        metadata[f"{prefix}_min_score"] = dg.MetadataValue.null() if lowest is None else dg.MetadataValue.float(lowest)
+        metadata[f"{prefix}_median_score"] = (
+            dg.MetadataValue.float(round(statistics.median(medians), 2)) if medians else dg.MetadataValue.null()
+        )
+        return metadata
 
 
 def evaluate(
@@ -343,6 +384,7 @@ def evaluate(
         audit.valid[resolution] = audit.invalid[resolution] = 0
         audit.errors[resolution] = Counter()
         audit.not_verified[resolution] = []
+        audit.fidelity[resolution] = {"checked": 0, "failing": 0, "bins": Counter(), "min": None, "medians": []}
     verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
     # Removed shards: their partitions are retired, their outputs kept (orphans).
     audit.orphans = sorted(rel for rel, shard in state.shards.items() if _removed(shard))
@@ -363,6 +405,7 @@ def evaluate(
                 audit.built[resolution] += 1
                 audit.output_bytes[resolution] += shard[resolution]
             verification = shard.get(f"verify_{resolution}")
+            _add_fidelity(audit.fidelity[resolution], shard.get(f"fidelity_{resolution}"))
             if verification is not None:
                 _, valid, invalid, errors = verification
                 audit.valid[resolution] += valid
@@ -387,6 +430,18 @@ def evaluate(
 
 def _removed(shard: dict[str, Any]) -> bool:
     return shard.get("removed_id", -1) > shard.get("main_id", -1)
+
+
+def _add_fidelity(total: dict[str, Any], shard: dict[str, Any] | None) -> None:
+    if not shard:
+        return
+    total["checked"] += shard["checked"]
+    total["failing"] += shard["failing"]
+    total["bins"].update(shard["bins"])
+    if shard["min"] is not None:
+        total["min"] = shard["min"] if total["min"] is None else min(total["min"], shard["min"])
+    if shard["median"] is not None:
+        total["medians"].append(shard["median"])
 
 
 def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None) -> str | None:

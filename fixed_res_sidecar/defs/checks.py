@@ -4,7 +4,8 @@ The checks themselves are `fixed_res_sidecar.shards.verify`; this module only de
 to Dagster and turns a `ShardReport` into check results:
 
 - `<dataset>/verify_512` and `<dataset>/verify_1024` carry one blocking check per SPEC 7 item
-  for resized shards (shard_complete, keys_match, sample_images, audit_consistent),
+  for resized shards (shard_complete, keys_match, sample_images, audit_consistent) and the
+  fidelity check (the sampled images show the picture their source gives),
   partitioned like the shards, so each shard has its own result. A failed one fails the
   run and stops `crop_bbox` of that shard in the same run; across runs the automation
   condition of `crop_bbox` waits for them to pass.
@@ -24,6 +25,7 @@ import dagster as dg
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.shards import verify
+from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 RESIZED_CHECK_DESCRIPTIONS = {
     verify.SHARD_COMPLETE: "SPEC 7.1: the output shard exists and its row count equals the main shard's.",
@@ -37,6 +39,13 @@ RESIZED_CHECK_DESCRIPTIONS = {
         "SPEC 7.4: valid + invalid == rows; every invalid row has an error code and a null image; every valid "
         "row has an image. Metadata: counts per error code and up to 20 invalid examples."
     ),
+    verify.FIDELITY: (
+        "The sampled images show the right picture: each is scored against the pipeline's render of its source "
+        "with the settings in the shard's footer (dB relative to a fresh build, 0 = as faithful; fails below "
+        "-3 dB: turned, flipped, channel-swapped, blank, shifted, another row's or heavily re-compressed "
+        "pictures). Metadata: min and median score, failing rows by key with their score, and expected | stored "
+        "| difference pictures of failing rows."
+    ),
 }
 CROP_CHECK_DESCRIPTIONS = {
     verify.SHARD_COMPLETE: "The sidecar shard exists and its row count equals the main shard's.",
@@ -44,6 +53,10 @@ CROP_CHECK_DESCRIPTIONS = {
     verify.KEYS_MATCH: "The key column equals the main shard's, every row, in order.",
     verify.BOXES_VALID: "Every non-null box in the crop columns is four integers in 0..1000 with min <= max.",
     verify.META_MATCHES_AUDIT: "bbox_resize_meta's validity, sizes, crop box and scale agree with both resize audits.",
+    verify.BOXES_REDERIVED: (
+        "For sampled rows, both crop captions and bbox_resize_meta made again from the caption, both resize audits "
+        "and the recorded box keys and caption frame equal what the sidecar stores, byte for byte."
+    ),
 }
 DATASET_AUDIT_CHECK = "dataset_audit"
 DATASET_COMPLETE_CHECK = "dataset_complete"
@@ -133,15 +146,35 @@ def report_counts(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
     return metadata
 
 
+def fidelity_numbers(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
+    """The fidelity check's numbers as plain metadata (the dataset audit sums them, the UI plots them):
+    rows compared, rows failing, min and median score, rows per score bin."""
+    check = next((c for c in report.checks if c.name == verify.FIDELITY), None)
+    found = check.metadata if check is not None else {}
+    numbers = {
+        "fidelity_rows_checked": dg.MetadataValue.int(found.get("checked", 0)),
+        "fidelity_failing_rows": dg.MetadataValue.int(found.get("failing_rows", 0)),
+    }
+    for name in ("min_score", "median_score"):
+        value = found.get(name)
+        numbers[f"fidelity_{name}"] = dg.MetadataValue.null() if value is None else dg.MetadataValue.float(value)
+    numbers.update(
+        {f"fidelity_score_{bin}": dg.MetadataValue.int(found.get("score_bins", {}).get(bin, 0)) for bin in SCORE_BINS}
+    )
+    return numbers
+
+
 def check_evaluations(
     report: verify.ShardReport,
     asset_key: dg.AssetKey,
     expected: Sequence[str],
     partition: str,
     target: dg.EventLogRecord | None,
+    extra: Mapping[str, Mapping[str, dg.MetadataValue]] | None = None,
 ) -> list[dg.AssetCheckEvaluation]:
     """One result per expected check name, for shard `partition`, linked to the materialization
-    `target` it describes; a check the report lacks fails (never silently passes)."""
+    `target` it describes; a check the report lacks fails (never silently passes). `extra`: more
+    metadata per check name (pictures)."""
     by_name = {c.name: c for c in report.checks}
     counts = report_counts(report)
     results = []
@@ -155,6 +188,7 @@ def check_evaluations(
             metadata.update(counts)
             if name == verify.AUDIT_CONSISTENT:
                 metadata["invalid_examples"] = examples_table(report.examples)
+        metadata.update((extra or {}).get(name, {}))
         results.append(
             dg.AssetCheckEvaluation(
                 asset_key=asset_key,

@@ -15,6 +15,10 @@ from fixed_res_sidecar.core import resolutions
 # Run tag that names the dataset: dagster.yaml limits concurrent runs per unique value.
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG  # noqa: F401 (re-exported)
 
+# A run (or backfill) with this tag set to "true" rebuilds the shards whose last verifier report failed
+# them, although skip-existing finds their footers up to date (e.g. pictures that failed fidelity).
+REBUILD_FAILED_TAG = "sidecar/rebuild_failed"
+
 # The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
 # one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).
 RESOLUTIONS: tuple[str, ...] = tuple(resolutions.RESOLUTIONS)

@@ -16,7 +16,14 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.settings import SidecarReading
-from fixed_res_sidecar.shards.verify.report import column_or_nulls, keys_or_nulls, read_rows, sample_rows, shard_stem
+from fixed_res_sidecar.shards.verify.report import (
+    column_or_nulls,
+    keys_or_nulls,
+    read_rows,
+    safe_name,
+    sample_rows,
+    shard_stem,
+)
 
 
 def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sample: int) -> list[str]:
@@ -62,7 +69,7 @@ def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sampl
             crops["1024"][row],
             **options,
         )
-        target = f"{stem}/{row:06d}-{_safe_name(keys[row])}.png"
+        target = f"{stem}/{row:06d}-{safe_name(keys[row])}.png"
         overlay_dir.write_bytes(target, png, protect=layout.read_only)
         written.append(overlay_dir.child(target))
     return written
@@ -88,9 +95,3 @@ def _candidates(layout: DatasetLayout, rel: str, rows: int, crops: dict[str, lis
         if candidates:
             return candidates
     return list(range(rows))
-
-
-def _safe_name(key: Any) -> str:
-    """A key as a file-name part: keys may hold slashes or anything else."""
-    text = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
-    return text.strip(".")[:80] or "row"

@@ -6,22 +6,28 @@ data's fault (a storage failure, a crash): a shard that cannot be read or fails 
 an outcome to record, so one shard of a batch never stops the others.
 """
 
+import json
 import time
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError
+from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
+    FIDELITY,
     ShardReport,
     VerifyOptions,
+    failed_outputs,
     report_rel,
+    still_failed,
     verify_crop_bbox_shard,
     verify_resized_shard,
+    write_fidelity_pictures,
     write_report,
 )
 
@@ -45,6 +51,9 @@ class PipelineOptions:
     skip_existing: bool = True
     overlay_sample: int = 0  # overlay pictures per shard; 0 draws none
     memory_gb: float = DEFAULT_TASK_MEMORY_GB  # memory of the task building one shard
+    # Rebuild resized shards whose last verifier report failed them, even when skip-existing finds them
+    # up to date (their footer is fine, their pictures may not be): a run told to repair failed shards.
+    rebuild_failed: bool = False
 
 
 @dataclass
@@ -62,6 +71,8 @@ class ShardOutcome:
     crop_problem: str | None = None
     overlays: list[str] = field(default_factory=list)
     overlay_problem: str | None = None
+    # resolution -> expected | stored | difference pictures of the rows failing fidelity (or why there are none)
+    fidelity_pictures: dict[str, list[str] | str] = field(default_factory=dict)
     # output name ("resized_512", "crop_bbox") -> its fingerprint when it was verified here
     fingerprints: dict[str, str | None] = field(default_factory=dict)
     seconds: float = 0.0
@@ -108,6 +119,7 @@ def run_stages(
                 threads=options.threads,
                 skip_existing=options.skip_existing,
                 memory_gb=options.memory_gb,
+                rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
@@ -117,6 +129,8 @@ def run_stages(
         outcome.reports[resolution] = report
         reports = layout.report_location(f"resized_{resolution}")
         outcome.report_paths[resolution] = reports.child(write_report(reports, rel, report, protect=layout.read_only))
+        if not report.check(FIDELITY).passed:
+            outcome.fidelity_pictures[resolution] = _fidelity_pictures(layout, rel, resolution, report)
     if stages.crop:
         _crop(layout, rel, stages, options, recorded_gate_problems, outcome)
     outcome.seconds = time.monotonic() - started
@@ -132,6 +146,33 @@ def check_output_names(layout: DatasetLayout, rel: str, stages: Stages) -> None:
         written += [(layout.sidecar, rel), (layout.report_location("crop_bbox"), report_rel(rel))]
     for location, name in written:
         location.check_name(name)
+
+
+def failed_on_record(layout: DatasetLayout, rel: str, resolutions: tuple[str, ...]) -> tuple[str, ...]:
+    """The resolutions of `rel` whose last verifier report (under the layout's reports) failed the
+    output that is still there: a run told to repair failed shards rebuilds them, up to date or not."""
+    if layout.reports is None:
+        return ()
+    failed: dict[str, str | None] = {}
+    for resolution in resolutions:
+        reports, name = layout.report_location(f"resized_{resolution}"), report_rel(rel)
+        if reports.exists(name):
+            try:
+                failed.update(failed_outputs(json.loads(reports.read_bytes(name))))
+            except ValueError:  # an unreadable report says nothing
+                continue
+    return still_failed(layout, rel, failed)
+
+
+def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report: ShardReport) -> list[str] | str:
+    try:
+        return write_fidelity_pictures(
+            layout, rel, resolution, report.check(FIDELITY), layout.report_location("fidelity")
+        )
+    except StorageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pictures are for people: the checks decide pass or fail
+        return describe_exception(exc, max_chars=MESSAGE_CHARS)
 
 
 def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome) -> None:
@@ -154,7 +195,7 @@ def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOu
         outcome.crop_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
         return
     outcome.fingerprints["crop_bbox"] = layout.sidecar.fingerprint(rel)
-    outcome.crop_report = verify_crop_bbox_shard(layout, rel)
+    outcome.crop_report = verify_crop_bbox_shard(layout, rel, options.verify.sample)
     reports = layout.report_location("crop_bbox")
     outcome.report_paths["crop_bbox"] = reports.child(
         write_report(reports, rel, outcome.crop_report, protect=layout.read_only)

@@ -20,7 +20,7 @@ import dataclasses
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +46,7 @@ from fixed_res_sidecar.core.pixels import (
 )
 from fixed_res_sidecar.io.parquet import ShardError, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
-from fixed_res_sidecar.shards.settings import encode_settings, resized_sources, staleness
+from fixed_res_sidecar.shards.settings import FAILED_VERIFICATION, encode_settings, resized_sources, staleness
 
 OUTPUT_ROW_GROUP_ROWS = 64  # about 10-30 MB of WebP per row group at 1024-area
 SOURCE_BATCH_ROWS = 8  # source images turned into Python bytes at a time
@@ -119,9 +119,13 @@ def build_resized_shard(
     skip_existing: bool = False,
     memory_gb: float = DEFAULT_TASK_MEMORY_GB,
     on_rows: Callable[[int], None] | None = None,
+    rebuild: Collection[str] = (),
 ) -> ShardResult:
     """Resize every image of `main/rel` into each resized output of `layout` (or those of
     `resolutions`), from one decode per image; returns what was done.
+
+    `rebuild`: resolutions rebuilt even when skip-existing finds them up to date (their verifier
+    failed them: repairing failed shards, `shards.verify.still_failed`).
 
     `memory_gb` is the memory of the task running this shard; its images decode within
     `decode_budget_bytes(memory_gb)` (see the module's docstring)."""
@@ -135,6 +139,10 @@ def build_resized_shard(
     sources = resized_sources(layout, rel, source)
     settings = {o: build_settings(o, options, layout.key_column, layout.image_column) for o in outputs}
     reasons = {o: staleness(o.location, rel, rows, settings[o], sources) if skip_existing else None for o in outputs}
+    for name in rebuild:
+        output = layout.resized[name]
+        if skip_existing and output in reasons and reasons[output] is None:
+            reasons[output] = FAILED_VERIFICATION
     todo = [o for o in outputs if not skip_existing or reasons[o] is not None]
     summaries = {
         o: OutputSummary(o.audit_prefix, o.location.child(rel), "built" if o in todo else "skipped", reasons[o])

@@ -23,6 +23,7 @@ SOURCES_KEY = b"fixed_res_sidecar.sources"
 MISSING, UNREADABLE, ROWS, SETTINGS, SOURCES, DAMAGED = (
     "missing", "unreadable", "row count differs", "settings changed", "main changed", "damaged",
 )  # fmt: skip
+FAILED_VERIFICATION = "failed verification"  # up to date by its footer, but the verifier failed it (repair)
 
 
 def encode_settings(settings: dict[str, Any], sources: dict[str, Any] | None = None) -> dict[bytes, bytes]:

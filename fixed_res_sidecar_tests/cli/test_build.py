@@ -406,3 +406,40 @@ def test_sigterm_during_s3_uploads_aborts_them_and_leaves_nothing(s3_build, s3_b
     assert _uploads(s3_bucket) == [] and list(build.tmpdir.iterdir()) == []
     _assert_whole_or_absent(build.out, NOISE_SHARDS, NOISE_ROWS)
     _assert_rerun_completes(build.args, build.out, NOISE_SHARDS, NOISE_ROWS, build.env)
+
+
+def test_rebuild_failed_repairs_the_shards_a_verifier_report_failed(sample_main, tmp_path):
+    """--skip-existing keeps a shard whose pictures are wrong (its footer is fine); --rebuild-failed with
+    the verifier's report rebuilds it, and only while the failed object is still there."""
+    from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL, damage_resized_images, valid_rows
+
+    out = {r: tmp_path / r for r in ("512", "1024")}
+    build = ["build-both", "--main-prefix", sample_main.uri, "--skip-existing",
+             "--output-prefix-512", str(out["512"]), "--output-prefix-1024", str(out["1024"])]  # fmt: skip
+    assert sidecar_ops(*build).returncode == 0
+    r512 = Location.parse(out["512"])
+    rows = valid_rows(r512, DAMAGED_REL, "0_26mp_process")[:3]
+    damages = dict(zip(rows, ["rotated_180", "channels_reversed", "black"]))
+    damage_resized_images(r512, Location.parse(out["1024"]), "0_26mp_process", damages, DAMAGED_REL)
+    report = tmp_path / "verify-512.json"
+    verify = ["verify-resized", "--main-prefix", sample_main.uri, "--output-prefix", str(out["512"]),
+              "--key-column", "image_key", "--audit-prefix", "0_26mp_process", "--report", str(report)]  # fmt: skip
+    assert sidecar_ops(*verify).returncode == 1
+    assert "3 total, 0 built, 3 skipped" in sidecar_ops(*build).stdout  # skip-existing alone keeps it
+
+    repaired = sidecar_ops(*build, "--rebuild-failed", str(report))
+    assert repaired.returncode == 0, repaired.stderr
+    assert (
+        "3 total, 1 built, 2 skipped" in repaired.stdout and "rebuilt outputs: 1 failed verification" in repaired.stdout
+    )
+    assert sidecar_ops(*verify).returncode == 0
+    # The report is about an object that is gone now: the same command skips the rebuilt shard.
+    assert "3 total, 0 built, 3 skipped" in sidecar_ops(*build, "--rebuild-failed", str(report)).stdout
+
+
+def test_rebuild_failed_refuses_an_unreadable_report(sample_main, tmp_path):
+    (tmp_path / "report.json").write_text("not json")
+    result = sidecar_ops("build-0-262mp", "--main-prefix", sample_main.uri, "--output-prefix", str(tmp_path / "o"),
+                         "--rebuild-failed", str(tmp_path / "report.json"))  # fmt: skip
+    assert result.returncode == 2 and "not a readable verifier report" in result.stderr
+    assert not (tmp_path / "o").exists()

@@ -150,11 +150,16 @@ def test_verify_resized_one_shard_and_explicit_target_area(paths, capsys):
     [
         (("--audit-prefix", "custom_process"), "no default target area"),
         (("--sample", "0"), "--sample must be at least 1"),
+        (("--sample", "some"), "must be an integer or 'all'"),
         (("--shard", "nope.parquet"), "not shards of"),
     ],
 )
 def test_verify_resized_usage_errors(paths, capsys, extra, message):
-    assert run(*resized_args(paths, "512", *extra)) == 2
+    try:
+        code = run(*resized_args(paths, "512", *extra))
+    except SystemExit as exit:  # argparse refuses what is not a count
+        code = exit.code
+    assert code == 2
     assert message in capsys.readouterr().err
 
 
@@ -256,8 +261,13 @@ def test_verify_crop_bbox_box_keys_default_to_the_sidecars_settings(paths, capsy
 
     assert run(*crop_args(paths, "--shard", REL)) == 1  # the recorded key "region" is checked
     assert f"FAILED boxes_valid on {REL}: {path}: 1 bad box(es); row {row}" in capsys.readouterr().out
-    assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "bbox", "--bbox-key", "box_2d")) == 0
+    # Explicit keys override the recorded ones for the box checks: under "bbox" and "box_2d" no box is bad.
+    # The re-derivation follows what the sidecar was built with and still finds the damaged row.
+    assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "bbox", "--bbox-key", "box_2d")) == 1
+    out = capsys.readouterr().out
+    assert "FAILED boxes_valid" not in out and f"FAILED boxes_rederived on {REL}: {path}: 1 of 10" in out
     assert run(*crop_args(paths, "--shard", REL, "--bbox-key", "region", "--caption-frame", "oriented")) == 1
+    assert "FAILED boxes_valid" in capsys.readouterr().out
 
 
 # -- transient S3 errors (a fault-injecting proxy in front of moto) ---------------------------
@@ -327,7 +337,8 @@ def test_every_command_rides_out_injected_s3_errors(
 
     def report(path: Path, root: str) -> str:
         # Output shards hold their sources' fingerprints, longer on S3 (ETags): their byte totals differ.
-        return re.sub(r'"total_bytes": \d+', '"total_bytes": N', path.read_text().replace(root, "ROOT"))
+        text = re.sub(r'"total_bytes": \d+', '"total_bytes": N', path.read_text().replace(root, "ROOT"))
+        return re.sub(r'"output_fingerprint": "[^"]*"', '"output_fingerprint": F', text)  # stat vs ETag
 
     for name in ("verify-512.json", "verify-1024.json", "verify-crop.json"):
         assert report(tmp_path / "s3-reports" / name, s3_root) == report(tmp_path / "clean-reports" / name, clean_root)
@@ -429,3 +440,36 @@ def test_a_million_boxes_and_deep_nesting_stay_bounded_through_verify_with_overl
     assert by_shard["million.parquet"]["stats"]["caption_status"] == {"ok": 2}
     assert by_shard["million.parquet"]["stats"]["boxes"]["512"]["total"] == 10**6 + 1
     assert by_shard["deep.parquet"]["stats"]["caption_status"] == {"invalid_json": 1}
+
+
+def test_verify_resized_names_each_wrong_picture_with_its_score_and_draws_it(sidecar_build, paths, tmp_path, capsys):
+    from fixed_res_sidecar_tests.fixtures.datasets import column, damage_images, valid_rows
+
+    rows = valid_rows(sidecar_build.r512, REL, "0_26mp_process")[:3]
+    damage_images(sidecar_build, "512", dict(zip(rows, ["rotated_180", "channels_reversed", "black"])), rel=REL)
+    report, pictures = tmp_path / "report.json", tmp_path / "pictures"
+    code = run(*resized_args(paths, "512", "--sample", "all", "--report", report, "--picture-dir", pictures))
+    out = capsys.readouterr().out
+    assert code == 1 and "FAILED fidelity on nested/b/part-00002.parquet" in out
+    keys = column(sidecar_build.r512, REL, "image_key")
+    document = json.loads(report.read_text())
+    (shard,) = [s for s in document["shards"] if s["rel"] == REL]
+    (fidelity,) = [c for c in shard["checks"] if c["name"] == "fidelity"]
+    found = fidelity["metadata"]
+    assert found["checked"] == 8 and found["failing_rows"] == 3
+    assert [f["key"] for f in found["failing"]] == [keys[r] for r in rows]
+    for failing in found["failing"]:
+        assert f"{failing['key']!r}: score {failing['score']:.2f} dB" in out
+    assert (
+        f"{REL}: 8 compared, score min {found['min_score']:.2f} dB, median {found['median_score']:.2f} dB, 3 failing"
+        in out
+    )
+    assert "fidelity: 24 rows compared with their source, 3 failing (score below -3 dB)" in out
+    assert sorted(p.name for p in (pictures / "nested/b/part-00002/512").iterdir()) == [
+        f"{r:06d}-{keys[r]}.png" for r in rows
+    ]
+    assert shard["stats"]["fidelity_pictures"][0].endswith(f"{rows[0]:06d}-{keys[rows[0]]}.png")
+    # The other shards pass, and say how faithful they are.
+    others = [s for s in document["shards"] if s["rel"] != REL]
+    assert all(s["passed"] for s in others)
+    assert all(c["metadata"]["min_score"] >= -3 for s in others for c in s["checks"] if c["name"] == "fidelity")

@@ -10,7 +10,7 @@ import pytest
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -27,6 +27,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     swap_two_keys,
     write_tiny,
 )
+from fixed_res_sidecar_tests.fixtures.datasets import column
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import every_object_get, no_get
 
 KEYS = DatasetKeys("tiny")
@@ -89,7 +90,7 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
 
     # Every check passed, and its result is stored for this shard's partition only.
     evaluations = result.get_asset_check_evaluations()
-    assert len(evaluations) == 4 + 4 + 5 and all(e.passed for e in evaluations)
+    assert len(evaluations) == 5 + 5 + 6 and all(e.passed for e in evaluations)
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel, other])
     assert statuses == {(k.to_user_string(), rel): "SUCCEEDED" for k in RESIZED_CHECK_KEYS}
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {rel}
@@ -206,7 +207,7 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     result = run_shard(build_definitions(config), instance, "tiny__shard", "broken.parquet")
     assert not result.success  # its blocking checks failed
     failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
-    assert len(failed) == 8 and all(e.partition == "broken.parquet" for e in failed)
+    assert len(failed) == 10 and all(e.partition == "broken.parquet" for e in failed)
     assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
     assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
     refusal(result, "broken.parquet")
@@ -381,7 +382,7 @@ def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, in
     register(instance, config)
     order = instance.get_dynamic_partitions("tiny_shards")
     first = run_batch(defs, instance, order[0], order[-1])
-    assert first.success and len(first.get_asset_check_evaluations()) == 2 * 13
+    assert first.success and len(first.get_asset_check_evaluations()) == 2 * 16
     before = output_files(tmp_path / "out")
 
     again = run_batch(defs, instance, order[0], order[-1])
@@ -392,7 +393,7 @@ def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, in
     assert restated_runs == {first.run_id} and len(again.get_asset_materialization_events()) == 2 * 5
     assert output_files(tmp_path / "out") == before
     restated = again.get_asset_check_evaluations()
-    assert len(restated) == 2 * 13 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
+    assert len(restated) == 2 * 16 and all(e.passed and "restated_from_run" in e.metadata for e in restated)
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, order).values()) == {"SUCCEEDED"}
 
 
@@ -480,3 +481,71 @@ def test_a_shard_removed_from_main_is_skipped_and_its_batch_goes_on(tmp_path, in
     assert {(o.asset_key, o.partition) for o in skipped} == {(key, shards[1]) for key in SHARD_ASSETS}
     assert all("is no longer in the main dataset: skipped" in o.description for o in skipped)
     assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
+
+
+def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_repairs_them(
+    tiny_config, tiny_defs, instance
+):
+    """The reported deploy: three rows of a 512 shard replaced by a turned, a channel-swapped and a
+    black picture of the same size and format (checksums valid). The fidelity check fails on that
+    shard, its crop_bbox is refused, the audit fails naming it; running the shard again rebuilds it."""
+    from fixed_res_sidecar_tests.defs.test_audit import run_audit
+    from fixed_res_sidecar_tests.fixtures.datasets import damage_resized_images, valid_rows
+
+    dataset = tiny_config.datasets[0]
+    rel, other = "nested/x/part-b.parquet", "part-a.parquet"
+    register(instance, tiny_config)
+    for shard in (rel, other):
+        assert run_shard(tiny_defs, instance, "tiny__shard", shard).success
+    r512, prefix = dataset.output("resized_512"), dataset.layout.resized["512"].audit_prefix
+    rows = valid_rows(r512, rel, prefix)[:3]
+    damage_resized_images(r512, dataset.output("resized_1024"), prefix, dict(zip(rows, ["rotated_180", "channels_reversed", "black"])), rel)  # fmt: skip
+
+    result = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    assert not result.success  # a blocking check failed
+    fidelity = {
+        (e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations() if e.check_name == verify.FIDELITY
+    }
+    failed = fidelity[(KEYS.verify("512"), verify.FIDELITY)]
+    assert not failed.passed and fidelity[(KEYS.verify("1024"), verify.FIDELITY)].passed
+    assert r512.child(rel) in failed.description and "3 of" in failed.description
+    assert failed.metadata["failing_rows"].value == 3
+    failing = failed.metadata["failing"].value
+    keys = [f["key"] for f in failing]
+    assert keys == [f"{k}" for k in (column(r512, rel, "image_key")[r] for r in rows)]
+    assert all(f["score"] < -3 for f in failing)
+    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 1  # overlay_embed: 1
+    assert failed.metadata["pictures"].value.count(".png") >= 3
+    statuses = check_partition_status(instance, [dg.AssetCheckKey(KEYS.verify("512"), verify.FIDELITY)], [rel, other])
+    assert statuses == {
+        (f"tiny/verify_512:{verify.FIDELITY}", rel): "FAILED",
+        (f"tiny/verify_512:{verify.FIDELITY}", other): "SUCCEEDED",
+    }
+    # The gate: crop_bbox of that shard is refused (an observation saying why), not materialised.
+    assert KEYS.crop_bbox not in materialized(result)
+    (observation,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
+    assert "fidelity" in observation.event_specific_data.asset_observation.description
+    verified = metadata_of(result, KEYS.verify("512"))
+    assert verified["fidelity_failing_rows"] == 3 and verified["fidelity_score_below_-3"] == 3
+
+    evaluation, audit = run_audit(tiny_defs, instance)
+    assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
+    assert f"tiny/verify_512:{verify.FIDELITY} FAILED on 1 shard(s): {rel}" in evaluation.description
+    assert audit["512_fidelity_failing_rows"] == 3 and audit["512_fidelity_score_below_-3"] == 3
+    assert audit["512_fidelity_rows_checked"] == 2 * (TINY_ROWS - 1) and audit["512_fidelity_min_score"] < -3
+
+    # A plain rerun keeps the shard (its footer is up to date) and fails again; a run told to repair failed
+    # shards (the tag; a backfill of the failed partitions with it does the same) rebuilds it.
+    assert not run_shard(tiny_defs, instance, "tiny__shard", rel).success
+    job = tiny_defs.resolve_job_def("tiny__shard")
+    tags = {REBUILD_FAILED_TAG: "true"}
+    repaired = job.execute_in_process(
+        partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET, tags=tags
+    )
+    assert repaired.success
+    assert metadata_of(repaired, KEYS.resized("512"))["status"] == "built"
+    assert metadata_of(repaired, KEYS.resized("1024"))["status"] == "skipped"
+    assert all(e.passed for e in repaired.get_asset_check_evaluations())
+    evaluation, audit = run_audit(tiny_defs, instance)
+    assert evaluation.passed, evaluation.description
+    assert audit["512_fidelity_failing_rows"] == 0 and audit["512_fidelity_min_score"] >= -3

@@ -92,8 +92,8 @@ def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, 
     assert again.shards == first.shards and audit_module.update_state(instance, keys, again) == 0
 
     assert run_shard(tiny_defs, instance, "tiny__shard", GOOD).success
-    # 2 resized, 2 verifier and 1 sidecar materializations, and 8 + 5 check results of one shard.
-    assert audit_module.update_state(instance, keys, again) == 5 + 13
+    # 2 resized, 2 verifier and 1 sidecar materializations, and 10 + 6 check results of one shard.
+    assert audit_module.update_state(instance, keys, again) == 5 + 16
     assert audit_module.update_state(instance, keys, again) == 0
     audit_module.save_state(instance, "tiny", again)
     assert audit_module.load_state(instance, "tiny") == again

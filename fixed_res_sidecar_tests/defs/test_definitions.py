@@ -183,7 +183,7 @@ def test_two_datasets_stay_separate(tmp_path):
         assert {k.path[0] for k in job.asset_layer.executable_asset_keys} == {keys.dataset}
         assert job.run_tags[DATASET_TAG] == keys.dataset
         checks = [k for k in graph.asset_check_keys if k.asset_key.path[0] == keys.dataset]
-        assert len(checks) == 4 + 4 + 5 + 2  # verifiers, sidecar, the audit's two
+        assert len(checks) == 5 + 5 + 6 + 2  # verifiers, sidecar, the audit's two
     assert '"num_cpus": 4.0' in defs.resolve_job_def(laion.shard_job).run_tags["dagster-ray/config"]
     assert defs.resolve_sensor_def(laion.discovery_sensor).job_name == "laion__shard"
     assert defs.resolve_sensor_def(coco.discovery_sensor).job_name == "coco__shard"

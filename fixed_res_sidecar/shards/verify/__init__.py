@@ -1,15 +1,19 @@
 """The SPEC 7 verifier: per-shard checks of the resized outputs and of the crop-bbox sidecar.
 
 `report` holds the report types and the reading both verifiers share, `resized` the checks of
-a resized shard (and the crop sidecar's gate on them), `sidecar` the checks of a sidecar shard.
+a resized shard (and the crop sidecar's gate on them), `fidelity` its check that the sampled
+images show the right picture, `sidecar` the checks of a sidecar shard.
 """
 
+from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, write_fidelity_pictures
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     SHARD_COMPLETE,
     CheckResult,
     ShardReport,
+    failed_outputs,
     report_rel,
+    still_failed,
     write_report,
 )
 from fixed_res_sidecar.shards.verify.resized import (
@@ -23,6 +27,7 @@ from fixed_res_sidecar.shards.verify.resized import (
     verify_resized_shard,
 )
 from fixed_res_sidecar.shards.verify.sidecar import (
+    BOXES_REDERIVED,
     BOXES_VALID,
     CROP_BBOX_CHECKS,
     META_MATCHES_AUDIT,
@@ -32,8 +37,10 @@ from fixed_res_sidecar.shards.verify.sidecar import (
 
 __all__ = [
     "AUDIT_CONSISTENT",
+    "BOXES_REDERIVED",
     "BOXES_VALID",
     "CROP_BBOX_CHECKS",
+    "FIDELITY",
     "KEYS_MATCH",
     "META_MATCHES_AUDIT",
     "RESIZED_CHECKS",
@@ -44,10 +51,13 @@ __all__ = [
     "GateError",
     "ShardReport",
     "VerifyOptions",
+    "failed_outputs",
     "report_rel",
     "require_verified",
     "resized_verification_problems",
+    "still_failed",
     "verify_crop_bbox_shard",
     "verify_resized_shard",
+    "write_fidelity_pictures",
     "write_report",
 ]

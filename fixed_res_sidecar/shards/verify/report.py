@@ -10,7 +10,7 @@ a check that could not be evaluated is neither failed nor passed, and the run is
 import hashlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -81,6 +81,12 @@ def shard_stem(rel: str) -> str:
     return rel.removesuffix(SHARD_SUFFIX)
 
 
+def safe_name(key: Any) -> str:
+    """A key as a file-name part (of an overlay or comparison picture): keys may hold slashes or anything else."""
+    text = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(key))
+    return text.strip(".")[:80] or "row"
+
+
 def report_rel(rel: str) -> str:
     """Where a shard's report goes: `<rel without .parquet>.verify.json`."""
     return shard_stem(rel) + REPORT_SUFFIX
@@ -93,10 +99,32 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
     return target
 
 
-def sample_rows(candidates: Sequence[int], sample: int, rel: str) -> list[int]:
-    """A sample seeded from the shard path: the same rows every run, and for every resolution."""
+def failed_outputs(document: Mapping[str, Any]) -> dict[str, str | None]:
+    """Shard URI -> the output fingerprint recorded when it was verified, for every resized shard that
+    failed in a verifier report: one shard's report, or a `verify-resized --report` document."""
+    reports = document.get("shards") if isinstance(document.get("shards"), list) else [document]
+    return {
+        report["shard"]: (report.get("stats") or {}).get("output_fingerprint")
+        for report in reports
+        if isinstance(report, dict) and report.get("kind") == "resized" and report.get("passed") is False
+    }
+
+
+def still_failed(layout, rel: str, failed: Mapping[str, str | None]) -> tuple[str, ...]:
+    """The resolutions of shard `rel` whose output failed the verifier (`failed`, from `failed_outputs`)
+    and is still the object that failed (same fingerprint; one stat or HEAD each): what a build told to
+    repair failed shards rebuilds even when skip-existing finds it up to date."""
+    return tuple(
+        name
+        for name, output in layout.resized.items()
+        if (uri := output.location.child(rel)) in failed and failed[uri] in (None, output.location.fingerprint(rel))
+    )
+
+
+def sample_rows(candidates: Sequence[int], sample: int | None, rel: str) -> list[int]:
+    """A sample seeded from the shard path: the same rows every run, and for every resolution; None: all."""
     seed = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big")
-    if len(candidates) <= sample:
+    if sample is None or len(candidates) <= sample:
         return list(candidates)
     return sorted(random.Random(seed).sample(list(candidates), sample))
 

@@ -7,6 +7,9 @@
                       min <= max
   meta_matches_audit  the meta's validity, sizes, crop box and scale agree with both
                       resize audits
+  boxes_rederived     for sampled rows, both crop captions and the meta re-derived from the
+                      caption, both audits and the recorded box keys and caption frame equal
+                      what the sidecar stores, byte for byte
 
 Which keys hold boxes and the frame of the captions are read from the sidecar shard's
 recorded build settings unless the layout gives them.
@@ -21,11 +24,19 @@ from typing import Any
 
 import pyarrow as pa
 
-from fixed_res_sidecar.core.audit import AUDIT_TYPES, AuditColumnsError, audit_column, audit_values
+from fixed_res_sidecar.core.audit import (
+    AUDIT_TYPES,
+    AuditColumnsError,
+    audit_column,
+    audit_values,
+    read_audit_records,
+)
 from fixed_res_sidecar.core.bbox import (
     CROP_COLUMNS,
     META_COLUMN,
+    AuditInconsistent,
     CaptionStatus,
+    crop_captions_for_row,
     is_valid_crop_box,
     parse_caption,
     walk_box_slots,
@@ -47,16 +58,20 @@ from fixed_res_sidecar.shards.verify.report import (
     main_keys,
     not_checked,
     problems_result,
+    read_rows,
+    sample_rows,
 )
 
 SIDECAR_COLUMNS = "sidecar_columns"
 BOXES_VALID = "boxes_valid"
 META_MATCHES_AUDIT = "meta_matches_audit"
-CROP_BBOX_CHECKS = (SHARD_COMPLETE, SIDECAR_COLUMNS, KEYS_MATCH, BOXES_VALID, META_MATCHES_AUDIT)
+BOXES_REDERIVED = "boxes_rederived"
+CROP_BBOX_CHECKS = (SHARD_COMPLETE, SIDECAR_COLUMNS, KEYS_MATCH, BOXES_VALID, META_MATCHES_AUDIT, BOXES_REDERIVED)
+DEFAULT_SAMPLE = 32  # rows whose crop captions are re-derived
 
 
-def verify_crop_bbox_shard(layout: DatasetLayout, rel: str) -> ShardReport:
-    """SPEC 7's crop-sidecar checks for `sidecar/rel`.
+def verify_crop_bbox_shard(layout: DatasetLayout, rel: str, sample: int | None = DEFAULT_SAMPLE) -> ShardReport:
+    """SPEC 7's crop-sidecar checks for `sidecar/rel`; `sample` rows (None: all) are re-derived.
 
     `layout.bbox_keys` and `layout.caption_frame` default to what the sidecar shard recorded
     in its build settings (else SPEC 6's defaults); the report's stats say which were used.
@@ -80,16 +95,19 @@ def verify_crop_bbox_shard(layout: DatasetLayout, rel: str) -> ShardReport:
         return report
 
     bbox_keys = layout.bbox_keys or recorded.bbox_keys
+    caption_frame = layout.caption_frame or recorded.caption_frame
     report.stats["bbox_keys"] = list(bbox_keys)
-    report.stats["caption_frame"] = layout.caption_frame or recorded.caption_frame
+    report.stats["caption_frame"] = caption_frame
     report.rows = rows
     meta = guarded(META_MATCHES_AUDIT, uri, _check_meta, uri, rel, table, key_column, layout.resized)
+    reading = (recorded.bbox_keys, recorded.caption_frame)  # re-derived as it was built
     report.checks = [
         guarded(SHARD_COMPLETE, uri, check_row_count, uri, rows, len(expected_keys), "sidecar", stale),
         guarded(SIDECAR_COLUMNS, uri, _check_sidecar_columns, uri, table),
         guarded(KEYS_MATCH, uri, check_keys, uri, expected_keys, table, key_column),
         guarded(BOXES_VALID, uri, _check_boxes, uri, table, key_column, bbox_keys),
         meta,
+        guarded(BOXES_REDERIVED, uri, _check_rederived, layout, rel, uri, table, reading, sample),
     ]
     # What the meta says about the rows, whether or not it agrees with the audits.
     for name in ("caption_status", "boxes", "invalid_rows"):
@@ -166,6 +184,70 @@ def _short_repr(value: Any) -> str:
 
 _BOX_REPR = reprlib.Repr()
 _BOX_REPR.maxlevel, _BOX_REPR.maxlist, _BOX_REPR.maxdict, _BOX_REPR.maxstring = 3, 6, 6, 60
+
+
+def _check_rederived(
+    layout: DatasetLayout,
+    rel: str,
+    uri: str,
+    table: pa.Table,
+    reading: tuple[tuple[str, ...], str],
+    sample: int | None,
+) -> CheckResult:
+    """Sampled rows' crop captions and meta, made again as the builder made them (core/bbox.py's
+    `crop_captions_for_row`, with the box keys and caption frame its footer records) from the caption
+    and both audits, against what the sidecar stores."""
+    bbox_keys, caption_frame = reading
+    missing = [c for c in (*CROP_COLUMNS.values(), META_COLUMN) if c not in table.column_names]
+    if missing:
+        return CheckResult(BOXES_REDERIVED, False, f"{uri}: column(s) missing: {missing}")
+    rows = sample_rows(range(table.num_rows), sample, rel)
+    captions = _captions(layout, rel, rows)
+    audits = {name: _read_audit_records(output, rel, layout.key_column) for name, output in layout.resized.items()}
+    keys = keys_or_nulls(table, layout.key_column)
+    problems = []
+    for row in rows:
+        try:
+            expected = crop_captions_for_row(
+                captions.get(row), {name: records[row] for name, records in audits.items()}, bbox_keys, caption_frame
+            )
+        except AuditInconsistent as exc:
+            problems.append({"row": row, "key": keys[row], "problem": f"cannot be re-derived: {exc}"})
+            continue
+        stored = {name: table.column(column)[row].as_py() for name, column in CROP_COLUMNS.items()}
+        differing = [CROP_COLUMNS[name] for name in CROP_COLUMNS if stored[name] != expected.crops.get(name)]
+        if table.column(META_COLUMN)[row].as_py() != expected.meta_json():
+            differing.append(META_COLUMN)
+        if differing:
+            problems.append(
+                {"row": row, "key": keys[row], "problem": f"{', '.join(differing)} differ from the re-derived"}
+            )
+    metadata = {"rederived_rows": len(rows)}
+    if problems:
+        return problems_result(BOXES_REDERIVED, uri, f"of {len(rows)} sampled rows differ", problems, metadata)
+    message = f"{uri}: {len(rows)} sampled rows re-derived from caption and audits equal the stored ones exactly"
+    return CheckResult(BOXES_REDERIVED, True, message, metadata)
+
+
+def _captions(layout: DatasetLayout, rel: str, rows: list[int]) -> dict[int, Any]:
+    """The captions of `rows` (none when main has no caption column and no caption dataset is set, as the builder)."""
+    source, column = layout.caption_source, layout.caption_column
+    with open_shard(source, rel, "caption") as parquet_file:
+        if column not in parquet_file.schema_arrow.names:
+            if layout.captions is not None:
+                raise ShardError(f"caption shard {source.child(rel)} has no column {column!r}")
+            return {}
+        return {row: values[column] for row, values in read_rows(parquet_file, rows, [column]).items()}
+
+
+def _read_audit_records(output: ResizedOutput, rel: str, key_column: str) -> list:
+    uri, prefix = output.location.child(rel), output.audit_prefix
+    with open_shard(output.location, rel, "resized") as parquet_file:
+        table = read_columns(parquet_file, [audit_column(prefix, f) for f in AUDIT_TYPES], uri)
+    try:
+        return read_audit_records(table, prefix)
+    except AuditColumnsError as exc:
+        raise ShardError(f"resized shard {uri}: {exc}") from None
 
 
 def _read_audit(output: ResizedOutput, rel: str, key_column: str) -> tuple[str, list, dict[str, list]]:

@@ -8,11 +8,13 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.crop_bbox import build_crop_bbox_shard
 from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 from fixed_res_sidecar.shards.verify import (
+    BOXES_REDERIVED,
     BOXES_VALID,
     KEYS_MATCH,
     META_MATCHES_AUDIT,
     SHARD_COMPLETE,
     SIDECAR_COLUMNS,
+    verify_crop_bbox_shard,
 )
 from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
 from fixed_res_sidecar_tests.fixtures.datasets import (
@@ -166,3 +168,28 @@ def test_a_damaged_sidecar_page_fails_shard_complete(sidecar_build):
     report = sidecar_build.verify_crop()
     message = assert_failed(report, SHARD_COMPLETE, sidecar_build.sidecar, containing=f"column {META_COLUMN!r}")
     assert "does not match its checksum" in message
+
+
+def test_a_valid_box_moved_off_its_object_is_caught_by_the_re_derivation(sidecar_build):
+    """A crop box nudged by 40/1000 is still a valid box and its meta still agrees with the audits:
+    only re-deriving the crop captions from the caption and the audits shows it is wrong."""
+    row = crop_row_with_box(sidecar_build, "1024")
+    crops = column(sidecar_build.sidecar, REL, CROP_COLUMNS["1024"])
+    caption = json.loads(crops[row])
+    ymin, xmin, ymax, xmax = caption["objects"][0]["bbox"]
+    shift = 40 if xmax <= 960 else -40
+    caption["objects"][0]["bbox"] = [ymin, xmin + shift, ymax, xmax + shift]
+    crops[row] = json.dumps(caption)
+    rewrite_shard(sidecar_build.sidecar, REL, lambda t: replace_column(t, CROP_COLUMNS["1024"], crops))
+    report = sidecar_build.verify_crop()
+    message = assert_failed(report, BOXES_REDERIVED, sidecar_build.sidecar, containing=f"row {row}")
+    assert CROP_COLUMNS["1024"] in message and CROP_COLUMNS["512"] not in message
+    assert [c.name for c in report.failed_checks] == [BOXES_REDERIVED]
+    # The undamaged sidecar agrees exactly, on every row.
+    build_crop_bbox_shard(sidecar_build.layout(), REL)
+    for rel in sidecar_build.main.list_shards():
+        check = verify_crop_bbox_shard(sidecar_build.layout(), rel, sample=None).check(BOXES_REDERIVED)
+        assert check.passed and check.metadata["rederived_rows"] == 10, check.message
+    assert verify_crop_bbox_shard(sidecar_build.layout(), REL, sample=3).check(BOXES_REDERIVED).metadata == {
+        "rederived_rows": 3
+    }

@@ -1,0 +1,171 @@
+"""Fidelity: whether a stored output shows the picture the pipeline makes from its source. Pure.
+
+The expected image is the pipeline's own render of the source with the output's recorded
+settings, before any lossy encoder (`core.pixels.reference_options`). Two PSNRs against it:
+the stored output's, and that of the expected image encoded again with the recorded settings
+(what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
+
+    score = min(PSNR(stored), PSNR_CAP) - min(PSNR(fresh encode), PSNR_CAP)
+
+0 means as faithful as a fresh build, -3 twice its squared error; a turned, flipped, blank or
+other picture scores -15 dB and lower. Why relative:
+an absolute PSNR floor cannot tell a smooth picture re-compressed at quality 5 (39 dB) from a
+noisy photo or a dithered palette image stored as built (32 dB); relative to what the encoder
+achieves on the very same pixels it can, by 5 dB and more. Why capped: above PSNR_CAP the
+differences are invisible, and two encoders may differ there by many dB on flat pictures.
+
+Pixels are compared as 8-bit RGB; when either image has alpha, colours are premultiplied by it
+(what a transparent pixel holds does not count; WebP changes it freely) and alpha is a fourth
+channel. An output of another size than the expected one scores -PSNR_CAP: it is not the
+picture asked for. The threshold was set from the measured distributions (README, "Fidelity").
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from .memory import MemoryBudget
+from .pixels import PixelOptions, encode_output, open_image, process_image, reference_options
+
+PSNR_CAP = 45.0  # dB: differences above are invisible
+# Good outputs measured at -0.9 dB and above (another WebP method, JPEG against WebP); damage at
+# -5.2 dB and below (heavy re-compression of a smooth picture; the rest -15 dB and below).
+FIDELITY_MIN_SCORE = -3.0
+IDENTICAL_PSNR = 100.0  # PSNR of identical pixels (infinite; JSON has no infinity)
+# Below this a row is also rendered as a one-resolution build makes it (score_output): a fused build
+# scores 0 against the fused render, another WebP method -0.7 at worst, a one-resolution build -1.7.
+OTHER_PATH_BELOW = -1.0
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a stored output is compared with: the expected image and how close a fresh build gets."""
+
+    image: Image.Image
+    fresh_psnr: float  # PSNR of the expected image encoded with the recorded settings
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """One stored output against its expected image."""
+
+    score: float  # dB, see the module's docstring; 0 is as faithful as a fresh build
+    psnr: float  # the stored output's PSNR against the expected image (0 for another size)
+    problem: str | None  # why it fails, None when it passes
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None
+
+
+def expected_output(
+    source: bytes | None,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None = None,
+    built_with: Sequence[int] = (),
+) -> tuple[Expected | None, str | None]:
+    """(what an output of `area` built with `options` from `source` is compared with, None), or
+    (None, why it cannot be made). `built_with`: the other areas made from the same decode (the
+    fused build), so the expected image takes the same path (shrink-on-load, intermediate) and a
+    good output scores 0; another path is within SPEC 3's 40 dB and scores about -2 dB at worst."""
+    areas = sorted({area, *built_with}, reverse=True)
+    result = process_image(source, areas, reference_options(options), budget)[areas.index(area)]
+    if not result.record.valid:
+        return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
+    image = decoded(result.image)
+    return Expected(image, psnr(image, decoded(encode_output(image, options)))), None
+
+
+def score_output(
+    source: bytes | None,
+    stored: Image.Image,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None = None,
+    built_with: Sequence[int] = (),
+    min_score: float = FIDELITY_MIN_SCORE,
+) -> tuple[Fidelity, Expected] | str:
+    """`stored` scored against what `source` gives (and that expected output), or why it cannot be.
+
+    The expected image is made as a fused build makes it (with `built_with`); when the stored one
+    scores below OTHER_PATH_BELOW against it, also as a build of `area` alone makes it (another
+    shrink-on-load factor: a large JPEG built alone scored -3.0 dB against the fused path), and the
+    better score counts. The footer does not say how a shard was built; only rows scoring low pay for
+    the second render."""
+    paths = [tuple(built_with), ()] if set(built_with) - {area} else [()]
+    best: tuple[Fidelity, Expected] | None = None
+    for others in paths:
+        expected, problem = expected_output(source, area, options, budget, others)
+        if expected is None:
+            return problem or "no expected image"
+        result = fidelity(expected, stored, min_score)
+        if best is None or result.score > best[0].score:
+            best = (result, expected)
+        if result.score >= OTHER_PATH_BELOW:
+            break
+    return best
+
+
+def decoded(data: bytes) -> Image.Image:
+    """Encoded bytes (an allowed format, see core/pixels.py) decoded; raises as Pillow does."""
+    with open_image(data) as image:
+        image.load()
+        return image.copy()
+
+
+def fidelity(expected: Expected, stored: Image.Image, min_score: float = FIDELITY_MIN_SCORE) -> Fidelity:
+    """Score `stored` against `expected`; it fails below `min_score` or at another size."""
+    reference = expected.image
+    if reference.size != stored.size:
+        size = f"{stored.width}x{stored.height}"
+        problem = f"score {-PSNR_CAP:.2f} dB: the stored image is {size}, the expected one {reference.width}x{reference.height}"
+        return Fidelity(-PSNR_CAP, 0.0, problem)
+    stored_psnr = psnr(reference, stored)
+    score = round(min(stored_psnr, PSNR_CAP) - min(expected.fresh_psnr, PSNR_CAP), 2)
+    if score < min_score:
+        problem = (
+            f"score {score:.2f} dB is below {min_score:g} dB: PSNR {stored_psnr:.2f} dB against the expected image, "
+            f"a fresh build reaches {expected.fresh_psnr:.2f} dB"
+        )
+        return Fidelity(score, round(stored_psnr, 2), problem)
+    return Fidelity(score, round(stored_psnr, 2), None)
+
+
+def psnr(expected: Image.Image, stored: Image.Image) -> float:
+    """PSNR (dB) of `stored` against `expected`, both of one size; IDENTICAL_PSNR when equal."""
+    alpha = has_alpha(expected) or has_alpha(stored)
+    error = comparable_pixels(expected, alpha) - comparable_pixels(stored, alpha)
+    mse = float(np.mean(error * error))
+    if mse == 0.0:
+        return IDENTICAL_PSNR
+    return min(IDENTICAL_PSNR, 10.0 * math.log10(255.0 * 255.0 / mse))
+
+
+def has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info)
+
+
+def comparable_pixels(image: Image.Image, alpha: bool) -> np.ndarray:
+    """The image as float32 H x W x 3 RGB, or x 4 premultiplied RGB and alpha when `alpha`."""
+    if not alpha:
+        return np.asarray(image.convert("RGB"), dtype=np.float32)
+    rgba = np.asarray(image.convert("RGBA"), dtype=np.float32)
+    premultiplied = rgba[..., :3] * (rgba[..., 3:] / 255.0)
+    return np.concatenate([premultiplied, rgba[..., 3:]], axis=-1)
+
+
+def difference_image(expected: Image.Image, stored: Image.Image, gain: float = 4.0) -> Image.Image:
+    """|expected - stored| per RGB channel times `gain` (encoder noise stays dark, damage is bright);
+    the stored image is resized to the expected one's size first when they differ."""
+    if stored.size != expected.size:
+        stored = stored.resize(expected.size, Image.Resampling.NEAREST)
+    alpha = has_alpha(expected) or has_alpha(stored)
+    error = np.abs(comparable_pixels(expected, alpha) - comparable_pixels(stored, alpha))
+    visible = error[..., :3]
+    if alpha:  # an alpha difference shows in every channel
+        visible = np.maximum(visible, error[..., 3:])
+    return Image.fromarray(np.clip(visible * gain, 0, 255).astype(np.uint8), "RGB")

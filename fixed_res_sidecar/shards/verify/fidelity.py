@@ -1,0 +1,201 @@
+"""The fidelity check of a resized shard: do its sampled outputs show the right picture?
+
+For each sampled valid row: the row's source image is read from main, the expected output is
+derived with the pipeline and the settings recorded in the shard's footer (core/fidelity.py),
+and the stored output is scored against it. Per shard: the minimum and median score, the
+failing rows by key with their scores, and counts per score bin (for the dataset audit).
+For failing rows, `write_fidelity_pictures` draws expected | stored | difference.
+"""
+
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from PIL import Image
+
+from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Expected, Fidelity, decoded, score_output
+from fixed_res_sidecar.core.image_cell import image_bytes
+from fixed_res_sidecar.core.memory import MemoryBudget
+from fixed_res_sidecar.core.overlay import comparison_picture
+from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.resolutions import RESOLUTIONS
+from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard
+from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
+from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, decode_budget_bytes
+from fixed_res_sidecar.shards.settings import read_settings
+from fixed_res_sidecar.shards.verify.report import (
+    MAX_PROBLEMS,
+    CheckResult,
+    problems_result,
+    read_rows,
+    safe_name,
+    shard_stem,
+)
+
+FIDELITY = "fidelity"
+# The areas a build makes from one decode (build-both, Dagster): the expected image is made the same way.
+FUSED_AREAS = tuple(resolution.area for resolution in RESOLUTIONS.values())
+# Upper edges of the score bins the audit counts (dB); the last bin is everything from -0.25 up.
+SCORE_BINS = {"below_-3": -3.0, "-3_to_-1": -1.0, "-1_to_-0.25": -0.25, "-0.25_up": float("inf")}
+
+
+@dataclass(frozen=True)
+class RowScore:
+    row: int
+    key: Any
+    score: float | None  # None when the row could not be scored (its problem says why)
+    psnr: float | None
+    problem: str | None
+
+
+def check_fidelity(
+    layout: DatasetLayout,
+    rel: str,
+    output: ResizedOutput,
+    sampled: Mapping[int, bytes],
+    keys: list,
+    settings: Any,
+    min_score: float,
+) -> CheckResult:
+    """Score every sampled output (row -> its encoded bytes) against the picture it should show."""
+    uri = output.location.child(rel)
+    options, area, problem = recorded_rendering(settings, output)
+    if problem:
+        return CheckResult(FIDELITY, False, f"{uri}: {problem}: the expected images cannot be derived")
+    rows = sorted(sampled)
+    sources = main_images(layout, rel, rows)
+    budget = MemoryBudget(decode_budget_bytes(DEFAULT_TASK_MEMORY_GB))
+    scored = [
+        score_row(row, keys[row], sources.get(row), sampled[row], area, options, budget, min_score) for row in rows
+    ]
+    return fidelity_result(uri, scored, min_score)
+
+
+def recorded_rendering(settings: Any, output: ResizedOutput) -> tuple[PixelOptions | None, int, str | None]:
+    """(pixel options, target area, None) as the shard's footer records them, or (None, area, why not)."""
+    if not isinstance(settings, dict):
+        return None, output.area, "it records no build settings"
+    try:
+        options = PixelOptions.from_values(settings)
+    except (TypeError, ValueError) as exc:
+        return None, output.area, f"its recorded build settings are not usable ({describe(exc)})"
+    area = settings.get("target_area", output.area)
+    if area != output.area:
+        return None, output.area, f"it records target area {area}, its dataset's is {output.area}"
+    return options, area, None
+
+
+def main_images(layout: DatasetLayout, rel: str, rows: list[int]) -> dict[int, bytes | None]:
+    """The source images of `rows` from main (only the row groups holding them are read)."""
+    with open_shard(layout.main, rel, "main", columns=[layout.image_column]) as parquet_file:
+        found = read_rows(parquet_file, rows, [layout.image_column])
+    return {row: image_bytes(values[layout.image_column]) or None for row, values in found.items()}
+
+
+def score_row(
+    row: int,
+    key: Any,
+    source: bytes | None,
+    stored: bytes,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None,
+    min_score: float,
+) -> RowScore:
+    scored = scored_images(source, stored, area, options, budget, min_score)
+    if isinstance(scored, str):
+        return RowScore(row, key, None, None, scored)
+    result = scored[0]
+    return RowScore(row, key, result.score, result.psnr, result.problem)
+
+
+def scored_images(
+    source: bytes | None,
+    stored: bytes,
+    area: int,
+    options: PixelOptions,
+    budget: MemoryBudget | None,
+    min_score: float,
+) -> tuple[Fidelity, Expected, Image.Image] | str:
+    """(the score, the expected output, the stored one decoded), or why they cannot be compared."""
+    try:
+        stored_image = decoded(stored)
+    except Exception as exc:  # noqa: BLE001 - a stored image that does not decode fails this row
+        return f"the stored image does not decode: {describe(exc)}"
+    scored = score_output(source, stored_image, area, options, budget, FUSED_AREAS, min_score)
+    if isinstance(scored, str):
+        return scored
+    return (*scored, stored_image)
+
+
+def fidelity_result(uri: str, scored: list[RowScore], min_score: float) -> CheckResult:
+    scores = [s.score for s in scored if s.score is not None]
+    failing = [s for s in scored if s.problem is not None]
+    bins = dict.fromkeys(SCORE_BINS, 0)
+    for score in scores:
+        bins[next(name for name, upper in SCORE_BINS.items() if score < upper)] += 1
+    metadata = {
+        "checked": len(scored),
+        "failing_rows": len(failing),
+        "min_score": min(scores) if scores else None,
+        "median_score": round(statistics.median(scores), 2) if scores else None,
+        "min_score_allowed": min_score,
+        "score_bins": bins,
+        "failing": [
+            {"row": s.row, "key": s.key, "score": s.score, "psnr": s.psnr, "problem": s.problem} for s in failing
+        ],
+    }
+    if failing:
+        problems = [{"row": s.row, "key": s.key, "problem": s.problem} for s in failing]
+        return problems_result(
+            FIDELITY, uri, f"of {len(scored)} sampled images are not the expected picture", problems, metadata
+        )
+    if not scored:
+        return CheckResult(FIDELITY, True, f"{uri}: no valid row to compare", metadata)
+    message = (
+        f"{uri}: {len(scored)} sampled images show the expected picture "
+        f"(score min {metadata['min_score']:.2f} dB, median {metadata['median_score']:.2f} dB, "
+        f"fail below {min_score:g} dB)"
+    )
+    return CheckResult(FIDELITY, True, message, metadata)
+
+
+def _dB(score: float | None) -> str:
+    return "none" if score is None else f"{score:.2f} dB"
+
+
+def write_fidelity_pictures(
+    layout: DatasetLayout, rel: str, resolution: str, check: CheckResult, directory: Location
+) -> list[str]:
+    """For each failing row of a fidelity `check` (the first MAX_PROBLEMS): expected | stored
+    | difference, as PNG under `directory/<rel without .parquet>/<resolution>/<row>-<key>.png`;
+    returns their URIs. Rows whose images cannot be made get no picture."""
+    min_score = check.metadata.get("min_score_allowed", FIDELITY_MIN_SCORE)
+    failing = check.metadata.get("failing", [])[:MAX_PROBLEMS]
+    if not failing:
+        return []
+    output = layout.resized[resolution]
+    rows = [f["row"] for f in failing]
+    with open_shard(output.location, rel, "output") as parquet_file:
+        settings = read_settings(parquet_file)
+        stored = read_rows(parquet_file, rows, [layout.image_column])
+    options, area, problem = recorded_rendering(settings, output)
+    if problem:
+        raise ShardError(f"{output.location.child(rel)}: {problem}")
+    sources = main_images(layout, rel, rows)
+    written = []
+    for entry in failing:
+        row = entry["row"]
+        scored = scored_images(
+            sources.get(row), image_bytes(stored[row][layout.image_column]), area, options, None, min_score
+        )
+        if isinstance(scored, str):
+            continue
+        result, expected, stored_image = scored
+        picture = comparison_picture(expected.image, stored_image, f"score {_dB(result.score)}")
+        target = f"{shard_stem(rel)}/{resolution}/{row:06d}-{safe_name(entry['key'])}.png"
+        directory.write_bytes(target, picture, protect=layout.read_only)
+        written.append(directory.child(target))
+    return written
