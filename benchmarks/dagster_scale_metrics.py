@@ -65,15 +65,17 @@ def launched_at(instance: dg.DagsterInstance, run_id: str) -> float:
 def shard_work(
     instance: dg.DagsterInstance, crop_key: dg.AssetKey, rels: Sequence[str]
 ) -> dict[str, tuple[str, float]]:
-    """rel -> (run id, seconds of its own work): `seconds` of its latest crop_bbox materialization, the
-    wall time of resize + verify + crop of that shard inside the run (Dagster's events not included)."""
+    """rel -> (run id, seconds of its own work): `seconds` of its latest crop_bbox build (a restated,
+    up-to-date shard's materialization repeats the build's figures and is passed over), the wall time
+    of resize + verify + crop of that shard inside the run (Dagster's events not included)."""
     records = instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=crop_key, asset_partitions=list(rels)), limit=10 * len(rels) + 10
     ).records
     work: dict[str, tuple[str, float]] = {}
     for record in records:  # newest first: keep the latest per shard
-        if record.partition_key not in work:
-            work[record.partition_key] = (record.run_id, float(record.asset_materialization.metadata["seconds"].value))
+        metadata = record.asset_materialization.metadata
+        if record.partition_key not in work and "restated_from_run" not in metadata:
+            work[record.partition_key] = (record.run_id, float(metadata["seconds"].value))
     return work
 
 
