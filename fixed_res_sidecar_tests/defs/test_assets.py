@@ -528,7 +528,7 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     verified = metadata_of(result, KEYS.verify("512"))
     assert verified["fidelity_failing_rows"] == 3 and verified["fidelity_score_below_-3"] == 3
 
-    evaluation, audit = run_audit(tiny_defs, instance)
+    evaluation, _, audit = run_audit(tiny_defs, instance)
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
     assert f"tiny/verify_512:{verify.FIDELITY} FAILED on 1 shard(s): {rel}" in evaluation.description
     assert audit["512_fidelity_failing_rows"] == 3 and audit["512_fidelity_score_below_-3"] == 3
@@ -546,6 +546,6 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     assert metadata_of(repaired, KEYS.resized("512"))["status"] == "built"
     assert metadata_of(repaired, KEYS.resized("1024"))["status"] == "skipped"
     assert all(e.passed for e in repaired.get_asset_check_evaluations())
-    evaluation, audit = run_audit(tiny_defs, instance)
-    assert evaluation.passed, evaluation.description
+    evaluation, complete, audit = run_audit(tiny_defs, instance)
+    assert evaluation.passed and complete.passed, evaluation.description
     assert audit["512_fidelity_failing_rows"] == 0 and audit["512_fidelity_min_score"] >= -3
