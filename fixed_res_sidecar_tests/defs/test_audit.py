@@ -104,11 +104,7 @@ def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, 
 @pytest.fixture
 def postgres_instance(postgres_database, tmp_path):
     """An instance whose storage is the test's Postgres database (as deploy/dagster.yaml's)."""
-    server = postgres_database.server
-    database = {"hostname": server.host, "port": server.port, "username": "postgres", "password": "unused"}
-    database |= {"db_name": postgres_database.name, "scheme": "postgresql+psycopg2"}
-    overrides = {"storage": {"postgres": {"postgres_db": database}}}
-    with dg.instance_for_test(overrides=overrides, temp_dir=str(tmp_path)) as instance:
+    with postgres_database.instance(tmp_path) as instance:
         yield instance
 
 

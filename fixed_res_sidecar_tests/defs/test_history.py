@@ -17,11 +17,7 @@ REL = "part-a.parquet"
 
 @pytest.fixture
 def private_instance(private_postgres_database, tmp_path):
-    server = private_postgres_database.server
-    database = {"hostname": server.host, "port": server.port, "username": "postgres", "password": "unused"}
-    database |= {"db_name": private_postgres_database.name, "scheme": "postgresql+psycopg2"}
-    overrides = {"storage": {"postgres": {"postgres_db": database}}}
-    with dg.instance_for_test(overrides=overrides, temp_dir=str(tmp_path)) as instance:
+    with private_postgres_database.instance(tmp_path) as instance:
         yield instance
 
 
