@@ -138,10 +138,12 @@ def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
     return failed
 
 
-def _build_shard(layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], **options) -> ShardResult:
-    """One shard's build, rebuilding its outputs that a verifier report failed (`--rebuild-failed`)."""
+def _build_shard(build, layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], **options) -> ShardResult:
+    """One shard's build by `build` (the builder travels with the job into worker processes and Ray
+    tasks, as the function it was when the run started), rebuilding its outputs that a verifier
+    report failed (`--rebuild-failed`)."""
     rebuild = still_failed(layout, rel, failed) if failed else ()
-    return build_resized_shard(layout, rel, rebuild=rebuild, **options)
+    return build(layout, rel, rebuild=rebuild, **options)
 
 
 def run(args) -> int:
@@ -164,6 +166,7 @@ def run(args) -> int:
     main = layout.main
     job = functools.partial(
         _build_shard,
+        build_resized_shard,
         layout,
         failed=failed,
         options=options,

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.keys import key_text, key_texts, raw_key_values
 from fixed_res_sidecar.io.locations import SHARD_SUFFIX, Location
-from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns
+from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard, read_columns, text_as_bytes
 from fixed_res_sidecar.io.retry import StorageError
 
 SHARD_COMPLETE = "shard_complete"
@@ -130,7 +130,8 @@ def sample_rows(candidates: Sequence[int], sample: int | None, rel: str) -> list
 
 
 def read_rows(parquet_file: pq.ParquetFile, rows: Sequence[int], columns: Sequence[str]) -> dict[int, dict[str, Any]]:
-    """Values of `rows`; only the row groups holding them are read, so a few images from a big shard are cheap."""
+    """Values of `rows`, text as the bytes stored (a value that is not UTF-8 is its row's problem, never
+    the read's); only the row groups holding them are read, so a few images from a big shard are cheap."""
     wanted = sorted(set(rows))
     found: dict[int, dict[str, Any]] = {}
     start = 0
@@ -139,8 +140,9 @@ def read_rows(parquet_file: pq.ParquetFile, rows: Sequence[int], columns: Sequen
         in_group = [r for r in wanted if start <= r < start + count]
         if in_group:
             table = parquet_file.read_row_group(group, columns=list(columns))
+            values = {name: text_as_bytes(table.column(name)) for name in columns}
             for r in in_group:
-                found[r] = {name: table.column(name)[r - start].as_py() for name in columns}
+                found[r] = {name: column[r - start].as_py() for name, column in values.items()}
         start += count
     return found
 
