@@ -384,11 +384,15 @@ class ScaleBench:
             records = self.wait_for_backfill(instance, launch["id"])
             after = shard_work(instance, self.keys.crop_bbox, rels)
             row = run_timings(instance, records, len(rels), RUNNING.max_concurrent_runs)
-        rebuilt = sum(1 for rel in rels if after.get(rel) != before.get(rel))
+            rebuilt = {rel: (after.get(rel) or ("",))[0] for rel in rels if after.get(rel) != before.get(rel)}
+            # Which run rebuilt each (a backfill's or automation's) and what it logged of the shard: a
+            # rebuild of an up-to-date shard is a defect, and the deployment is gone once this returns.
+            why = {rel: _run_story(instance, run_id, rel) for rel, run_id in rebuilt.items()}
         return {
             **row,
             "shards_per_run": size,
-            "rebuilt": rebuilt,
+            "rebuilt": len(rebuilt),
+            "rebuilt_why": why,
             "wall_per_shard_s": row["wall_s"] / len(rels),
             "slot_per_shard_s": row["wall_s"] * RUNNING.max_concurrent_runs / len(rels),
             "backfill_id": launch["id"],
@@ -466,6 +470,19 @@ class ScaleBench:
             ),
             "up-to-date shard < 1 s amortised": report["up_to_date"]["wall_per_shard_s"] < 1.0,
         }
+
+
+def _run_story(instance: dg.DagsterInstance, run_id: str, rel: str) -> dict[str, Any]:
+    """A run's tags and the log lines that name shard `rel` (what it decided about it)."""
+    run = instance.get_run_by_id(run_id) if run_id else None
+    if run is None:
+        return {"run_id": run_id, "tags": {}, "log": []}
+    lines = [
+        record.event_log_entry.user_message
+        for record in instance.get_records_for_run(run_id, limit=2000).records
+        if rel in (record.event_log_entry.user_message or "")
+    ]
+    return {"run_id": run_id, "tags": dict(run.tags), "log": lines[:20]}
 
 
 def _key(key: dg.AssetKey) -> dict[str, list[str]]:
