@@ -377,8 +377,11 @@ def evaluate(
 ) -> DatasetAudit:
     """The audit over the current partitions, and the shards removed from main (orphans)."""
     audit = DatasetAudit(keys.dataset)
-    partitions = instance.get_dynamic_partitions(keys.partitions)
-    audit.shards = len(partitions)  # less the orphans, below
+    # Removed shards: their partitions are retired, their outputs kept (orphans).
+    audit.orphans = sorted(rel for rel, shard in state.shards.items() if _removed(shard))
+    removed = set(audit.orphans)
+    partitions = [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in removed]
+    audit.shards = len(partitions)
     for resolution in RESOLUTIONS:
         audit.built[resolution] = audit.output_bytes[resolution] = audit.verified[resolution] = 0
         audit.valid[resolution] = audit.invalid[resolution] = 0
@@ -386,12 +389,8 @@ def evaluate(
         audit.not_verified[resolution] = []
         audit.fidelity[resolution] = {"checked": 0, "failing": 0, "bins": Counter(), "min": None, "medians": []}
     verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
-    # Removed shards: their partitions are retired, their outputs kept (orphans).
-    audit.orphans = sorted(rel for rel, shard in state.shards.items() if _removed(shard))
     for rel in partitions:
         shard = state.shards.get(rel, {})
-        if _removed(shard):
-            continue
         rows, size = shard.get("main", [0, 0])
         audit.main_rows += rows
         audit.main_bytes += size
@@ -423,7 +422,6 @@ def evaluate(
                 audit.crop_missing.append(rel)
             elif shard["crop"] < max(passed_at):
                 audit.crop_stale.append(rel)
-    audit.shards -= len([rel for rel in partitions if _removed(state.shards.get(rel, {}))])
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit
 
