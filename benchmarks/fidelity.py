@@ -189,7 +189,7 @@ def verifier_cost(workdir: Path, rows: int, seed: int = 0, profile: str = "photo
     from fixed_res_sidecar.io.locations import Location
     from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
     from fixed_res_sidecar.shards.resize import build_resized_shard
-    from fixed_res_sidecar.shards.verify import VerifyOptions, verify_resized_shard
+    from fixed_res_sidecar.shards.verify import SharedRenders, VerifyOptions, verify_resized_shard
 
     root = workdir / f"fidelity-cost-{profile}-{rows}-{seed}"
     main = root / "main"
@@ -219,8 +219,9 @@ def verifier_cost(workdir: Path, rows: int, seed: int = 0, profile: str = "photo
     for label, options in variants.items():
         log(f"fidelity cost: verifying, {label}")
         started = time.process_time()
+        shared = SharedRenders()  # as the pipeline verifies a shard's two resolutions
         for name in RESOLUTIONS:
-            report = verify_resized_shard(layout, "shard.parquet", name, options)
+            report = verify_resized_shard(layout, "shard.parquet", name, options, shared)
             if not report.passed:
                 raise RuntimeError(f"the good shard failed: {[c.message for c in report.failed_checks]}")
         verify[label] = time.process_time() - started

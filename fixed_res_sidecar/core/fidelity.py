@@ -40,6 +40,12 @@ IDENTICAL_PSNR = 100.0  # PSNR of identical pixels (infinite; JSON has no infini
 OTHER_PATH_BELOW = -1.0
 
 
+# Expected renders of one source kept for reuse: (areas rendered together, rendering) -> the
+# pipeline's results, one per area. A fused build makes both resolutions from one decode, and so
+# the check of one resolution renders the other's too; the second check then needs no render.
+Renders = dict[tuple[tuple[int, ...], PixelOptions], list]
+
+
 @dataclass(frozen=True)
 class Expected:
     """What a stored output is compared with: the expected image and how close a fresh build gets."""
@@ -67,13 +73,21 @@ def expected_output(
     options: PixelOptions,
     budget: MemoryBudget | None = None,
     built_with: Sequence[int] = (),
+    renders: Renders | None = None,
 ) -> tuple[Expected | None, str | None]:
     """(what an output of `area` built with `options` from `source` is compared with, None), or
     (None, why it cannot be made). `built_with`: the other areas made from the same decode (the
     fused build), so the expected image takes the same path (shrink-on-load, intermediate) and a
-    good output scores 0; another path is within SPEC 3's 40 dB and scores about -2 dB at worst."""
-    areas = sorted({area, *built_with}, reverse=True)
-    result = process_image(source, areas, reference_options(options), budget)[areas.index(area)]
+    good output scores 0; another path is within SPEC 3's 40 dB and scores about -2 dB at worst.
+    `renders`: this source's renders made so far, reused and added to."""
+    areas = tuple(sorted({area, *built_with}, reverse=True))
+    reference = reference_options(options)
+    results = renders.get((areas, reference)) if renders is not None else None
+    if results is None:
+        results = process_image(source, list(areas), reference, budget)
+        if renders is not None:
+            renders[(areas, reference)] = results
+    result = results[areas.index(area)]
     if not result.record.valid:
         return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
     image = decoded(result.image)
@@ -88,6 +102,7 @@ def score_output(
     budget: MemoryBudget | None = None,
     built_with: Sequence[int] = (),
     min_score: float = FIDELITY_MIN_SCORE,
+    renders: Renders | None = None,
 ) -> tuple[Fidelity, Expected] | str:
     """`stored` scored against what `source` gives (and that expected output), or why it cannot be.
 
@@ -95,11 +110,11 @@ def score_output(
     scores below OTHER_PATH_BELOW against it, also as a build of `area` alone makes it (another
     shrink-on-load factor: a large JPEG built alone scored -3.0 dB against the fused path), and the
     better score counts. The footer does not say how a shard was built; only rows scoring low pay for
-    the second render."""
+    the second render. `renders`: as for `expected_output`."""
     paths = [tuple(built_with), ()] if set(built_with) - {area} else [()]
     best: tuple[Fidelity, Expected] | None = None
     for others in paths:
-        expected, problem = expected_output(source, area, options, budget, others)
+        expected, problem = expected_output(source, area, options, budget, others, renders)
         if expected is None:
             return problem or "no expected image"
         result = fidelity(expected, stored, min_score)

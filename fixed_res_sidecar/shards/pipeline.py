@@ -21,6 +21,7 @@ from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult,
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
     ShardReport,
+    SharedRenders,
     VerifyOptions,
     failed_outputs,
     report_rel,
@@ -123,9 +124,10 @@ def run_stages(
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
+    shared = SharedRenders()  # the fidelity checks of both resolutions render each source once
     for resolution in stages.verify:
         outcome.fingerprints[f"resized_{resolution}"] = layout.resized[resolution].location.fingerprint(rel)
-        report = verify_resized_shard(layout, rel, resolution, options.verify)
+        report = verify_resized_shard(layout, rel, resolution, options.verify, shared)
         outcome.reports[resolution] = report
         reports = layout.report_location(f"resized_{resolution}")
         outcome.report_paths[resolution] = reports.child(write_report(reports, rel, report, protect=layout.read_only))

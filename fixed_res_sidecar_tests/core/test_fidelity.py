@@ -48,6 +48,21 @@ def test_the_build_scores_zero_and_the_same_picture_re_encoded_stays_close(photo
         assert other.passed and abs(other.score) < 1
 
 
+def test_renders_of_a_source_are_reused_for_the_other_area(photo):
+    """The fused render made for one area serves the other: the second needs neither the source nor a
+    render, and gives the same expected image as rendering afresh."""
+    renders = {}
+    expected_output(photo, AREA_512, PixelOptions(), built_with=(AREA_1024,), renders=renders)
+    assert len(renders) == 1
+    reused, problem = expected_output(None, AREA_1024, PixelOptions(), built_with=(AREA_512,), renders=renders)
+    fresh, _ = expected_output(photo, AREA_1024, PixelOptions(), built_with=(AREA_512,))
+    assert problem is None and len(renders) == 1
+    assert reused.image.tobytes() == fresh.image.tobytes() and reused.fresh_psnr == fresh.fresh_psnr
+    # Other settings are another render.
+    expected_output(photo, AREA_1024, PixelOptions(square=True), built_with=(AREA_512,), renders=renders)
+    assert len(renders) == 2
+
+
 def test_wrong_pictures_score_far_below_the_threshold(photo):
     expected, _ = expected_output(photo, AREA_512, PixelOptions())
     good = expected.image

@@ -5,7 +5,7 @@ a resized shard (and the crop sidecar's gate on them), `fidelity` its check that
 images show the right picture, `sidecar` the checks of a sidecar shard.
 """
 
-from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, write_fidelity_pictures
+from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, write_fidelity_pictures
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     SHARD_COMPLETE,
@@ -50,6 +50,7 @@ __all__ = [
     "CheckResult",
     "GateError",
     "ShardReport",
+    "SharedRenders",
     "VerifyOptions",
     "failed_outputs",
     "report_rel",

@@ -9,12 +9,19 @@ For failing rows, `write_fidelity_pictures` draws expected | stored | difference
 
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
 
-from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Expected, Fidelity, decoded, score_output
+from fixed_res_sidecar.core.fidelity import (
+    FIDELITY_MIN_SCORE,
+    Expected,
+    Fidelity,
+    Renders,
+    decoded,
+    score_output,
+)
 from fixed_res_sidecar.core.image_cell import image_bytes
 from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.overlay import comparison_picture
@@ -41,6 +48,21 @@ FUSED_AREAS = tuple(resolution.area for resolution in RESOLUTIONS.values())
 SCORE_BINS = {"below_-3": -3.0, "-3_to_-1": -1.0, "-1_to_-0.25": -0.25, "-0.25_up": float("inf")}
 
 
+# A shard's other resolution reuses the sources and renders of at most this many compared rows
+# (about 2.5 MB each at most, the 1024 render dominating); past it, each check reads and renders its own.
+SHARED_ROWS = 64
+
+
+@dataclass
+class SharedRenders:
+    """What the fidelity checks of one shard's resolutions share: each compared row's source image
+    and its expected renders. The check of the first resolution renders both (as the fused build
+    does), the second one reads and renders nothing new for the same rows."""
+
+    sources: dict[int, bytes | None] = field(default_factory=dict)
+    renders: dict[int, Renders] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class RowScore:
     row: int
@@ -58,18 +80,27 @@ def check_fidelity(
     keys: list,
     settings: Any,
     min_score: float,
+    shared: SharedRenders | None = None,
 ) -> CheckResult:
-    """Score every sampled output (row -> its encoded bytes) against the picture it should show."""
+    """Score every sampled output (row -> its encoded bytes) against the picture it should show.
+    `shared`: what the shard's other resolution's check read and rendered (reused, added to)."""
     uri = output.location.child(rel)
     options, area, problem = recorded_rendering(settings, output)
     if problem:
         return CheckResult(FIDELITY, False, f"{uri}: {problem}: the expected images cannot be derived")
     rows = sorted(sampled)
-    sources = main_images(layout, rel, rows)
+    keep = shared is not None and len(rows) <= SHARED_ROWS
+    if not keep:  # nothing kept: the renders of every row of a large sample would not fit
+        shared = SharedRenders()
+    unread = [row for row in rows if row not in shared.sources]
+    if unread:
+        shared.sources.update(main_images(layout, rel, unread))
     budget = MemoryBudget(decode_budget_bytes(DEFAULT_TASK_MEMORY_GB))
-    scored = [
-        score_row(row, keys[row], sources.get(row), sampled[row], area, options, budget, min_score) for row in rows
-    ]
+    scored = []
+    for row in rows:
+        renders = shared.renders.setdefault(row, {}) if keep else None
+        source = shared.sources.get(row)
+        scored.append(score_row(row, keys[row], source, sampled[row], area, options, budget, min_score, renders))
     return fidelity_result(uri, scored, min_score)
 
 
@@ -103,8 +134,9 @@ def score_row(
     options: PixelOptions,
     budget: MemoryBudget | None,
     min_score: float,
+    renders: Renders | None = None,
 ) -> RowScore:
-    scored = scored_images(source, stored, area, options, budget, min_score)
+    scored = scored_images(source, stored, area, options, budget, min_score, renders)
     if isinstance(scored, str):
         return RowScore(row, key, None, None, scored)
     result = scored[0]
@@ -118,13 +150,14 @@ def scored_images(
     options: PixelOptions,
     budget: MemoryBudget | None,
     min_score: float,
+    renders: Renders | None = None,
 ) -> tuple[Fidelity, Expected, Image.Image] | str:
     """(the score, the expected output, the stored one decoded), or why they cannot be compared."""
     try:
         stored_image = decoded(stored)
     except Exception as exc:  # noqa: BLE001 - a stored image that does not decode fails this row
         return f"the stored image does not decode: {describe(exc)}"
-    scored = score_output(source, stored_image, area, options, budget, FUSED_AREAS, min_score)
+    scored = score_output(source, stored_image, area, options, budget, FUSED_AREAS, min_score, renders)
     if isinstance(scored, str):
         return scored
     return (*scored, stored_image)

@@ -38,7 +38,7 @@ from fixed_res_sidecar.core.pixels import open_image
 from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import read_settings, read_sources, resized_sources, stale_sources
-from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, check_fidelity
+from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, check_fidelity
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     MAX_EXAMPLES,
@@ -94,9 +94,14 @@ class _ResizedShard:
 
 
 def verify_resized_shard(
-    layout: DatasetLayout, rel: str, resolution: str, options: VerifyOptions = VerifyOptions()
+    layout: DatasetLayout,
+    rel: str,
+    resolution: str,
+    options: VerifyOptions = VerifyOptions(),
+    shared: SharedRenders | None = None,
 ) -> ShardReport:
-    """SPEC 7 items 1-4 for the resized shard of `resolution` against `main/rel`."""
+    """SPEC 7 items 1-4 for the resized shard of `resolution` against `main/rel`. `shared`: one per
+    shard, given to the check of each of its resolutions, which then render their sources once."""
     output = layout.resized[resolution]
     report = ShardReport(
         kind="resized",
@@ -127,7 +132,7 @@ def verify_resized_shard(
         guarded(KEYS_MATCH, uri, check_keys, uri, expected_keys, shard.columns, key_column),
         guarded(SAMPLE_IMAGES, uri, _check_sample_images, shard, key_column, prefix, output.area, options),
         audit,
-        guarded(FIDELITY, uri, _check_fidelity, layout, rel, output, shard, options),
+        guarded(FIDELITY, uri, _check_fidelity, layout, rel, output, shard, options, shared),
     ]
     # What the audit says, whether or not it is consistent (the counts are what a reader wants first).
     report.valid, report.invalid = audit.metadata.get("valid"), audit.metadata.get("invalid")
@@ -139,9 +144,9 @@ def verify_resized_shard(
 def resized_verification_problems(layout: DatasetLayout, rel: str, options: VerifyOptions) -> list[str]:
     """Why shard `rel`'s crop sidecar must not be built yet: one line per resized shard that fails
     the verifier now, naming it and each failed check. Empty when both pass."""
-    problems = []
+    problems, shared = [], SharedRenders()
     for resolution in layout.resized:
-        report = verify_resized_shard(layout, rel, resolution, options)
+        report = verify_resized_shard(layout, rel, resolution, options, shared)
         if not report.passed:
             failed = "; ".join(f"{c.name} ({c.message})" for c in report.failed_checks)
             problems.append(f"resized {resolution} shard {report.shard} did not pass the verifier: {failed}")
@@ -278,7 +283,12 @@ def _sample_problem(data: bytes, audit: dict[str, Any], area: int, options: Veri
 
 
 def _check_fidelity(
-    layout: DatasetLayout, rel: str, output: ResizedOutput, shard: _ResizedShard, options: VerifyOptions
+    layout: DatasetLayout,
+    rel: str,
+    output: ResizedOutput,
+    shard: _ResizedShard,
+    options: VerifyOptions,
+    shared: SharedRenders | None,
 ) -> CheckResult:
     if not options.fidelity:
         return CheckResult(FIDELITY, True, f"{shard.uri}: not checked (fidelity is off)", {"checked": 0})
@@ -288,7 +298,7 @@ def _check_fidelity(
     compared = options.fidelity_sample if options.sample is not None else None  # --sample all: every row
     rows = sample_rows(sorted(shard.sampled), compared, rel)  # a subset of the decoded sample, the same every run
     sampled = {row: shard.sampled[row] for row in rows}
-    return check_fidelity(layout, rel, output, sampled, keys, shard.settings, options.fidelity_min_score)
+    return check_fidelity(layout, rel, output, sampled, keys, shard.settings, options.fidelity_min_score, shared)
 
 
 def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckResult:

@@ -13,7 +13,16 @@ from fixed_res_sidecar.core.pixels import PixelOptions
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import verify_page_checksums
 from fixed_res_sidecar.shards.resize import build_resized_shard
-from fixed_res_sidecar.shards.verify import FIDELITY, RESIZED_CHECKS, SAMPLE_IMAGES, write_fidelity_pictures
+from fixed_res_sidecar.shards.verify import (
+    FIDELITY,
+    RESIZED_CHECKS,
+    SAMPLE_IMAGES,
+    SharedRenders,
+    VerifyOptions,
+    verify_resized_shard,
+    write_fidelity_pictures,
+)
+from fixed_res_sidecar.shards.verify import fidelity as fidelity_module
 from fixed_res_sidecar_tests.fixtures.datasets import DAMAGED_REL as REL
 from fixed_res_sidecar_tests.fixtures.datasets import (
     SidecarBuild,
@@ -105,6 +114,28 @@ def test_sample_none_compares_every_valid_row_and_fidelity_can_be_switched_off(s
     damaged_build(sidecar_build, "1024", ["black"])
     off = sidecar_build.verify("1024", fidelity=False)
     assert [c.name for c in off.checks] == list(RESIZED_CHECKS) and off.passed
+
+
+def test_both_resolutions_of_a_shard_share_its_sources_and_renders(sidecar_build):
+    """As the pipeline verifies a shard: the second resolution's check reads and renders nothing new,
+    and every report is the same as without sharing; a sample over SHARED_ROWS keeps nothing."""
+    layout, shared = sidecar_build.layout(), SharedRenders()
+    alone = {r: sidecar_build.verify(r).check(FIDELITY).metadata for r in ("512", "1024")}
+    together = {
+        r: verify_resized_shard(layout, REL, r, VerifyOptions(), shared).check(FIDELITY).metadata for r in alone
+    }
+    assert together == alone and alone["512"]["checked"] == 8
+    assert len(shared.sources) == 8 and set(shared.renders) == set(shared.sources)
+    assert all(len(renders) == 1 for renders in shared.renders.values())  # one fused render per row
+    # Damage in the second resolution is still seen through the shared renders.
+    damages = damaged_build(sidecar_build, "1024", ["black"])
+    damaged = verify_resized_shard(layout, REL, "1024", VerifyOptions(), shared).check(FIDELITY)
+    assert not damaged.passed and {f["row"] for f in damaged.metadata["failing"]} == set(damages)
+    large = SharedRenders()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fidelity_module, "SHARED_ROWS", 7)
+        verify_resized_shard(layout, REL, "512", VerifyOptions(), large)
+    assert not large.sources and not large.renders
 
 
 def test_a_shard_without_recorded_settings_fails_the_check_saying_so(sidecar_build):
