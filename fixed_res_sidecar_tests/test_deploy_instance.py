@@ -23,7 +23,7 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.history import recorded_results
+from fixed_res_sidecar.defs.history import Recorded, recorded_results
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG
 from fixed_res_sidecar.io.locations import Location
@@ -428,7 +428,7 @@ def test_a_storage_outage_mid_run_leaves_no_built_shard_unrecorded(private_dagst
         everything = Stages(resize=RESOLUTIONS, verify=RESOLUTIONS, crop=True)
         for rel in shards:
             recorded = recorded_results(instance, keys, rel, everything)
-            assert recorded is not None, f"{rel}: results not on record"
+            assert isinstance(recorded, Recorded), f"{rel}: {recorded}"
             assert fingerprints_match(config.dataset("outage").layout, rel, recorded.fingerprints), rel
         # Each shard's runs ended well, by themselves or through their retries.
         for rel in shards:

@@ -49,6 +49,7 @@ from fixed_res_sidecar.defs.checks import (
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import (
     VERIFIED_FINGERPRINT,
+    Recorded,
     built_from_main,
     latest_materialization,
     recorded_results,
@@ -181,10 +182,14 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         current = {}
         for rel in (rel for rel in rels if rel not in removed):
             try:
-                if recorded := _current(context.instance, keys, dataset, rel, stages, options):
-                    current[rel] = recorded
+                recorded = _current(context.instance, keys, dataset, rel, stages, options)
             except Exception as exc:  # noqa: BLE001 - one shard's failure must not stop the others
                 problems[rel] = [describe_exception(exc, max_chars=500)]
+                continue
+            if isinstance(recorded, Recorded):
+                current[rel] = recorded
+            elif recorded:
+                context.log.info(f"{rel}: to build: {recorded}")
         for rel, recorded in current.items():
             context.log.info(f"{rel}: up to date, results restated")
             yield from restated_events(context, rel, recorded)
@@ -363,21 +368,26 @@ def refusal(keys: DatasetKeys, rel: str, problems: list[str], context) -> dg.Ass
     )
 
 
-def _current(instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options):
+def _current(
+    instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options
+) -> Recorded | str | None:
     """What is on record of `rel` when nothing needs doing: every selected result is on record,
     passed, was made on the very objects now in storage (their fingerprints), and they are up to date
-    (a few event-log queries, stats and footer reads); else None. A resized shard selected without
-    its verifier is never restated: materialised again, it would no longer count as verified."""
+    (a few event-log queries, stats and footer reads); else why not (None: not asked to skip). A
+    resized shard selected without its verifier is never restated: materialised again, it would no
+    longer count as verified."""
     if not options.skip_existing or not set(stages.resize) <= set(stages.verify):
         return None
     recorded = recorded_results(instance, keys, rel, stages)
-    if recorded is None or not recorded.results:  # nothing on record to restate (e.g. resized alone)
+    if isinstance(recorded, str):
+        return recorded
+    if not recorded.results:  # nothing on record to restate (e.g. resized alone)
         return None
     layout = dataset.layout
-    if not fingerprints_match(layout, rel, recorded.fingerprints) or not outputs_up_to_date(
-        layout, rel, stages, options
-    ):
-        return None
+    if not fingerprints_match(layout, rel, recorded.fingerprints):
+        return "an output changed since it was verified"
+    if not outputs_up_to_date(layout, rel, stages, options):
+        return "an output is missing, damaged or not built from the current main shard and settings"
     return recorded
 
 

@@ -190,9 +190,9 @@ class Recorded:
     materializations: dict[dg.AssetKey, dg.EventLogRecord]  # selected asset -> its latest materialization
 
 
-def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, stages) -> Recorded | None:
+def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, stages) -> Recorded | str:
     """The check results on record for the selected stages of shard `rel`, when they all passed and
-    still describe the latest materializations (each after what it depends on); else None."""
+    still describe the latest materializations (each after what it depends on); else why not."""
     from fixed_res_sidecar.defs.checks import target_data
     from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS
 
@@ -203,16 +203,19 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
     checked: dict[dg.AssetKey, tuple[str, ...]] = {}
     for resolution in {*stages.resize, *stages.verify}:
         if latest[keys.resized(resolution)] is None:
-            return None
+            return f"{keys.resized(resolution).to_user_string()} was never materialised"
     for resolution in stages.verify:
         resized, verified = latest[keys.resized(resolution)], latest[keys.verify(resolution)]
         if verified is None or verified.storage_id < resized.storage_id:
-            return None
+            return f"{keys.resized(resolution).to_user_string()} is not verified since its latest materialization"
         checked[keys.verify(resolution)] = RESIZED_CHECKS
     if stages.crop:  # the sidecar is current only after verifications that are current themselves
-        chain = [(latest[keys.resized(r)], latest[keys.verify(r)], latest[keys.crop_bbox]) for r in RESOLUTIONS]
-        if any(None in links or not links[0].storage_id < links[1].storage_id < links[2].storage_id for links in chain):
-            return None
+        for resolution in RESOLUTIONS:
+            links = (latest[keys.resized(resolution)], latest[keys.verify(resolution)], latest[keys.crop_bbox])
+            if None in links or not links[0].storage_id < links[1].storage_id < links[2].storage_id:
+                names = (keys.resized(resolution), keys.verify(resolution), keys.crop_bbox)
+                chain = " < ".join(f"{key.to_user_string()} {_described(link)}" for key, link in zip(names, links))
+                return f"not materialised in build order ({chain} expected)"
         checked[keys.crop_bbox] = CROP_BBOX_CHECKS
     results, fingerprints = {}, {}
     for asset, names in checked.items():
@@ -225,7 +228,14 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
             evaluation = latest_evaluation(instance, check_key, rel)
             checked_id = getattr(evaluation and evaluation.target_materialization_data, "storage_id", None)
             if evaluation is None or not evaluation.passed or checked_id != target.storage_id:
-                return None
+                state = (
+                    "never ran"
+                    if evaluation is None
+                    else "failed"
+                    if not evaluation.passed
+                    else f"passed on another materialization ({checked_id})"
+                )
+                return f"{check_key.to_user_string()} {state} (latest {target.storage_id}, run {target.run_id[:8]})"
             results[check_key] = (True, evaluation.description or "passed", target_data(target))
     if stages.crop:  # the sidecar was made from the resized shards its verifiers read: they must be unchanged too
         for resolution in RESOLUTIONS:
@@ -237,6 +247,10 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
         *([keys.crop_bbox] if stages.crop else []),
     ]
     return Recorded(results, fingerprints, {key: latest[key] for key in selected})
+
+
+def _described(record: dg.EventLogRecord | None) -> str:
+    return "(never)" if record is None else f"({record.storage_id}, run {record.run_id[:8]})"
 
 
 def latest_evaluation(instance: dg.DagsterInstance, check_key: dg.AssetCheckKey, rel: str):

@@ -10,6 +10,7 @@ import pytest
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.history import latest_materialization
 from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
@@ -456,10 +457,25 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     assert {key[1] for key, status in statuses.items() if status != "SUCCEEDED"} == {damaged}
     logs = [record.user_message for record in instance.all_logs(batch.run_id)]
     assert not [line for line in logs if "did not yield or return expected outputs" in line]
+    # The log says which shards were restated and why the other one was not.
+    assert [line.split(":")[0] for line in logs if line.endswith(": up to date, results restated")] == [
+        rel for rel in shards if rel != damaged
+    ]
+    assert f"{damaged}: to build: an output changed since it was verified" in logs
+
+    keys = DatasetKeys("tiny")
+    chain = [latest_materialization(instance, key, damaged) for key in (keys.resized("512"), keys.verify("512"))]
+    crop = latest_materialization(instance, keys.crop_bbox, damaged)  # of the first batch: the gate refused it
 
     Path(dataset.output("resized_512").child(damaged)).unlink()  # the repair: rebuilt by the next run
     repaired = run_batch(defs, instance, order[0], order[-1])
     assert repaired.success
+    logs = [record.user_message for record in instance.all_logs(repaired.run_id)]
+    resized, verified = (f"({record.storage_id}, run {batch.run_id[:8]})" for record in chain)
+    assert [line for line in logs if line.startswith(f"{damaged}: to build:")] == [
+        f"{damaged}: to build: not materialised in build order (tiny/resized_512 {resized} < tiny/verify_512 "
+        f"{verified} < tiny/crop_bbox ({crop.storage_id}, run {crop.run_id[:8]}) expected)"
+    ]
     assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, shards).values()) == {"SUCCEEDED"}
 
