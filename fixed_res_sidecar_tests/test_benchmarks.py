@@ -203,7 +203,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_dagster_scale_reports_every_figure(tmp_path, capsys):
+def test_dagster_scale_reports_every_figure(deployment_slot, tmp_path, capsys):
     """--dagster-scale at a tiny size, for real (PostgreSQL, code server, daemon, webserver): every figure
     is reported, finite and not negative, and nothing is left running. No timing is asserted.
 
