@@ -231,6 +231,10 @@ class ScaleBench:
             self.deployment.kill_daemon()  # nothing may launch or create the held runs any more
             report["deleted_held_runs"] = self.delete_unfinished_runs(instance)
             report["audit"] = {BUILT: self.audit_first(instance, BUILT), METADATA: self.audit_first(instance, METADATA)}
+        # The automation sensor (its ticks at scale are measured above) stays off for the run measurements:
+        # a tick that falls inside a batch run may answer its restated shards with runs of its own, which
+        # would take run slots and rebuild crop_bbox of a shard the backfill measured as restated.
+        self.set_sensor(self.keys.automation_sensor, False)
         report["batches"] = {}
         blocks = self.sample_blocks()
         for size, block in blocks.items():

@@ -26,12 +26,21 @@ from fixed_res_sidecar import demo
 from fixed_res_sidecar.defs.config import load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.sensors import AUTOMATION_INTERVAL_SECONDS
 from fixed_res_sidecar_tests.defs.conftest import QUIET, swap_two_keys
 from fixed_res_sidecar_tests.fixtures.processes import describe, family
 
 KEYS = DatasetKeys("sample")
 DAMAGED = "part-00001.parquet"
 SCREENSHOTS = os.environ.get("SIDECAR_SCREENSHOTS")  # keep the screenshots here to look at them
+
+
+IN_PROGRESS = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
 
 
 def sidecar_ops(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -221,6 +230,19 @@ def shards_with_status(page: Page, path: str, kind: str, status: str, shards: li
     return [rel for rel in shards if rel in listed]
 
 
+def settled(
+    instance: dg.DagsterInstance, quiet_s: float = AUTOMATION_INTERVAL_SECONDS + 10, limit_s: float = 300
+) -> None:
+    """Return once no run has been queued or in progress for `quiet_s` (longer than an automation tick's
+    interval, so a tick that reacts to the last run has had its turn)."""
+    started = quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < quiet_s:
+        assert time.monotonic() - started < limit_s, "the deployment did not settle"
+        if instance.get_run_ids(dg.RunsFilter(statuses=IN_PROGRESS)):
+            quiet_since = time.monotonic()
+        time.sleep(1)
+
+
 def check_partitions(name: str, asset: str = "verify_512") -> str:
     return f"/assets/sample/{asset}?view=checks&checkDetail={name}"
 
@@ -250,6 +272,9 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     Path(config.dataset("sample").output("resized_512").child(DAMAGED)).unlink()
     with dg.DagsterInstance.from_config(str(workdir / "dagster_home")) as instance:
         assert run_batch(defs, instance).success
+        # The running automation sensor may answer the repair with runs of its own: the audit is read
+        # once the deployment is idle (else it rightly says "under way" and "not verified yet").
+        settled(instance)
         defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
     for path, kind in [
         (check_partitions("keys_match"), "check"),
