@@ -232,8 +232,8 @@ class ScaleBench:
             report["deleted_held_runs"] = self.delete_unfinished_runs(instance)
             report["audit"] = {BUILT: self.audit_first(instance, BUILT), METADATA: self.audit_first(instance, METADATA)}
         # The automation sensor (its ticks at scale are measured above) stays off for the run measurements:
-        # a tick that falls inside a batch run may answer its restated shards with runs of its own, which
-        # would take run slots and rebuild crop_bbox of a shard the backfill measured as restated.
+        # a tick that falls inside a batch run may answer its shards with restating runs of its own, which
+        # would take run slots from the runs measured.
         self.set_sensor(self.keys.automation_sensor, False)
         report["batches"] = {}
         blocks = self.sample_blocks()

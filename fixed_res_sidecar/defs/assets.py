@@ -48,8 +48,10 @@ from fixed_res_sidecar.defs.checks import (
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import (
+    RESTATED_FROM_ID,
     VERIFIED_FINGERPRINT,
     Recorded,
+    built_at,
     built_from_main,
     latest_materialization,
     recorded_results,
@@ -401,7 +403,11 @@ def restated_events(context, rel: str, recorded) -> Iterator:
             asset_key=key,
             partition=rel,
             description=f"unchanged since run {record.run_id[:8]}",
-            metadata={**previous.metadata, "restated_from_run": dg.MetadataValue.text(record.run_id)},
+            metadata={
+                **previous.metadata,
+                "restated_from_run": dg.MetadataValue.text(record.run_id),
+                RESTATED_FROM_ID: dg.MetadataValue.int(built_at(record)),
+            },
             tags=previous.tags,
         )
         target = target_data(latest_materialization(context.instance, key, rel))

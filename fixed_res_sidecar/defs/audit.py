@@ -113,6 +113,7 @@ def update_state(
                 shard[f"{slot}_id"] = record.storage_id
             elif slot == "crop":
                 shard["crop"] = record.storage_id
+                shard["crop_built"] = history.built_at(record)  # a restatement keeps its place
             else:  # a verifier
                 errors = {code: _int(metadata.get(f"invalid_{code}")) for code in ERROR_CODES}
                 shard[slot] = [
@@ -122,6 +123,7 @@ def update_state(
                     {code: n for code, n in errors.items() if n},
                 ]
                 shard[f"fidelity_{slot.removeprefix('verify_')}"] = fidelity_state(metadata)
+                shard[f"{slot}_built"] = history.built_at(record)
     # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
     for record in _new_events(instance.fetch_observations, keys.main, after):
         high = max(high, record.storage_id)
@@ -412,7 +414,7 @@ def evaluate(
                 audit.errors[resolution].update(errors)
             if all(checks.get(name) == "SUCCEEDED" for name in verify_checks[resolution]) and verification:
                 audit.verified[resolution] += 1
-                passed_at.append(verification[0])
+                passed_at.append(shard.get(f"verify_{resolution}_built", verification[0]))
             elif not any(checks.get(name) == "FAILED" for name in verify_checks[resolution]):
                 audit.not_verified[resolution].append(rel)
         if "crop" in shard:
@@ -420,7 +422,7 @@ def evaluate(
         if len(passed_at) == len(RESOLUTIONS):
             if "crop" not in shard:
                 audit.crop_missing.append(rel)
-            elif shard["crop"] < max(passed_at):
+            elif shard.get("crop_built", shard["crop"]) < max(passed_at):
                 audit.crop_stale.append(rel)
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit

@@ -206,13 +206,13 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
             return f"{keys.resized(resolution).to_user_string()} was never materialised"
     for resolution in stages.verify:
         resized, verified = latest[keys.resized(resolution)], latest[keys.verify(resolution)]
-        if verified is None or verified.storage_id < resized.storage_id:
+        if verified is None or built_at(verified) < built_at(resized):
             return f"{keys.resized(resolution).to_user_string()} is not verified since its latest materialization"
         checked[keys.verify(resolution)] = RESIZED_CHECKS
     if stages.crop:  # the sidecar is current only after verifications that are current themselves
         for resolution in RESOLUTIONS:
             links = (latest[keys.resized(resolution)], latest[keys.verify(resolution)], latest[keys.crop_bbox])
-            if None in links or not links[0].storage_id < links[1].storage_id < links[2].storage_id:
+            if None in links or not built_at(links[0]) < built_at(links[1]) < built_at(links[2]):
                 names = (keys.resized(resolution), keys.verify(resolution), keys.crop_bbox)
                 chain = " < ".join(f"{key.to_user_string()} {_described(link)}" for key, link in zip(names, links))
                 return f"not materialised in build order ({chain} expected)"
@@ -249,8 +249,21 @@ def recorded_results(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str, 
     return Recorded(results, fingerprints, {key: latest[key] for key in selected})
 
 
+# Metadata of a restated materialization: the storage id of the one it restates (its place in the
+# build order; a restatement says "unchanged since", so it keeps that place).
+RESTATED_FROM_ID = "restated_from_id"
+
+
+def built_at(record: dg.EventLogRecord) -> int:
+    """Where a materialization stands in the build order: its storage id, or for a restatement that
+    of the materialization it restates. A verifier restated by another run after crop_bbox was built
+    (e.g. by the automation sensor) still comes before that crop_bbox."""
+    value = record.asset_materialization.metadata.get(RESTATED_FROM_ID)
+    return int(value.value) if value is not None else record.storage_id
+
+
 def _described(record: dg.EventLogRecord | None) -> str:
-    return "(never)" if record is None else f"({record.storage_id}, run {record.run_id[:8]})"
+    return "(never)" if record is None else f"({built_at(record)}, run {record.run_id[:8]})"
 
 
 def latest_evaluation(instance: dg.DagsterInstance, check_key: dg.AssetCheckKey, rel: str):

@@ -9,6 +9,7 @@ import pytest
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
+from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import latest_materialization
 from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
@@ -282,6 +283,22 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     # The sidecar's checks are not claimed failed: they did not run on anything new.
     crop_checks = [dg.AssetCheckKey(KEYS.crop_bbox, name) for name in verify.CROP_BBOX_CHECKS]
     assert "FAILED" not in check_partition_status(instance, crop_checks, [bad]).values()
+
+
+def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_restated(tiny_config, tiny_defs, instance):
+    """What the automation sensor may do after a batch: run a verifier alone for an up-to-date shard (it
+    is restated, materialised after crop_bbox), then crop_bbox alone. The restatement keeps its place in
+    the build order, so crop_bbox is restated too, not rebuilt, and the audit does not call it stale."""
+    rel = "part-a.parquet"
+    register(instance, tiny_config)
+    built = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    assert built.success
+    verified = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.verify("1024")])
+    assert verified.success and restated(verified, KEYS.verify("1024")) == built.run_id
+    cropped = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    assert cropped.success and restated(cropped, KEYS.crop_bbox) == built.run_id
+    audit = audit_dataset(instance, KEYS)
+    assert audit.crop_stale == [] and audit.crop_missing == []
 
 
 def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
