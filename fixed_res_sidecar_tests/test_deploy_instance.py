@@ -77,11 +77,13 @@ def output_asset_keys(name: str) -> list[dg.AssetKey]:
 
 
 def built_by(instance, key: dg.AssetKey, rel: str) -> list[str]:
-    """The runs whose materialisation of `key` for shard `rel` wrote it ("built", not "skipped" as up to date)."""
+    """The runs whose materialisation of `key` for shard `rel` wrote it ("built", not "skipped" as up to date,
+    nor restated: a restatement repeats the metadata of the build it restates)."""
     return [
         m.run_id
         for m in materializations(instance, key, rel)
         if m.asset_materialization.metadata["status"].value == "built"
+        and "restated_from_run" not in m.asset_materialization.metadata
     ]
 
 
