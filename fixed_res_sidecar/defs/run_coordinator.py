@@ -19,7 +19,6 @@ a coordinator.
 import functools
 
 import dagster as dg
-from dagster._core.run_coordinator import SubmitRunContext
 
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG, dataset_run_tags
 
@@ -39,13 +38,13 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
             )
         return super().from_config_value(inst_data, config_value)
 
-    def submit_run(self, context: SubmitRunContext) -> dg.DagsterRun:
+    def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
         run = context.dagster_run
         if DATASET_TAG not in run.tags:
             tags = tags_for(run)
             if tags:
                 self._instance.add_run_tags(run.run_id, tags)
-                context = SubmitRunContext(self._instance.get_run_by_id(run.run_id), context.workspace)
+                context = dg.SubmitRunContext(self._instance.get_run_by_id(run.run_id), context.workspace)
         return super().submit_run(context)
 
 

@@ -36,6 +36,8 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
 )
 from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 
+pytestmark = pytest.mark.ray  # every test here starts Ray (the module's cluster, or the command's own)
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -388,6 +388,7 @@ def on_s3(sidecar_build, bucket: str) -> dict[str, Location]:
     return roots
 
 
+@pytest.mark.stress
 def test_verifier_and_gate_ride_out_injected_s3_errors(sidecar_build, faulty_s3, fast_retries, s3_bucket):
     """500/503 with an error body longer than the range, on the first small ranged GET of every
     object and range size and on the first GET of every object: the same reports as without."""
