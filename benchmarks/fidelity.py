@@ -33,7 +33,8 @@ from benchmarks import corpus as corpus_mod
 from benchmarks.common import log
 from benchmarks.damage import DAMAGE, encode_damaged
 from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, decoded, score_output
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.sample_data import make_photo
 

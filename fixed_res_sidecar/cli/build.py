@@ -14,7 +14,7 @@ from fixed_res_sidecar.cli.common import (
     symlink_report,
     usage_error,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.retry import StorageError

@@ -1,7 +1,7 @@
 """Fidelity: whether a stored output shows the picture the pipeline makes from its source. Pure.
 
 The expected image is the pipeline's own render of the source with the output's recorded
-settings, before any lossy encoder (`core.pixels.reference_options`). Two PSNRs against it:
+settings, before any lossy encoder (`core.pixel_settings.reference_options`). Two PSNRs against it:
 the stored output's, and that of the expected image encoded again with the recorded settings
 (what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
 
@@ -27,8 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from .decoding import open_image
 from .memory import MemoryBudget
-from .pixels import PixelOptions, encode_output, open_image, process_image, reference_options
+from .pixel_settings import PixelOptions, reference_options
+from .pixels import process_image
+from .render import encode_output
 
 PSNR_CAP = 45.0  # dB: differences above are invisible
 # Good outputs measured at -0.9 dB and above (another WebP method, JPEG against WebP); damage at
@@ -126,7 +129,7 @@ def score_output(
 
 
 def decoded(data: bytes) -> Image.Image:
-    """Encoded bytes (an allowed format, see core/pixels.py) decoded; raises as Pillow does."""
+    """Encoded bytes (an allowed format, see core/decoding.py) decoded; raises as Pillow does."""
     with open_image(data) as image:
         image.load()
         return image.copy()

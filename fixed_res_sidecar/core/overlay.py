@@ -9,7 +9,7 @@ applied) with the boxes of `structured_description`, the 512 image with the
 every panel, so a reviewer can see at a glance whether a box still sits on its object.
 
 Images here are untrusted input, decoded as carefully as by the resize: only the formats
-core/pixels.py accepts are opened, and an image whose header gives more than
+core/decoding.py accepts are opened, and an image whose header gives more than
 `max_source_pixels` pixels is not decoded at all (its panel says so). Box slots come from
 core/bbox.py's walker and EXIF orientation from core/orientation.py, so a picture shows
 what the resize and the sidecar did, not a second opinion. A panel draws the boxes of the
@@ -34,6 +34,7 @@ from fixed_res_sidecar.core.bbox import (
     parse_caption,
     walk_box_slots,
 )
+from fixed_res_sidecar.core.decoding import open_image, too_many_pixels
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.fidelity import difference_image
 from fixed_res_sidecar.core.orientation import (
@@ -41,7 +42,7 @@ from fixed_res_sidecar.core.orientation import (
     read_orientation,
     to_upright,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 
 PANEL_WIDTH = 640
 MAX_PANEL_HEIGHT = 960  # a very tall image is shown narrower instead

@@ -26,7 +26,7 @@ Shape (every field but `name` and `main_prefix` has a default; see datasets.yaml
 
 Defaults come from the code that uses them, not from literals here: the pixel settings
 (patch_size, square, output_format, quality, webp_method, background, limits) from
-`core.pixels.PixelOptions`, the audit prefixes and resized dataset folders from
+`core.pixel_settings.PixelOptions`, the audit prefixes and resized dataset folders from
 `core.resolutions.RESOLUTIONS`. A dataset that does not set one follows the code's default.
 
 Relative local paths are taken relative to the folder holding the datasets file.
@@ -53,7 +53,7 @@ from pydantic import (
 )
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
-from fixed_res_sidecar.core.pixels import OUTPUT_FORMATS, PixelOptions
+from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError, check_writable
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resized_output
@@ -73,7 +73,7 @@ DEFAULT_OUTPUT_FOLDERS = {
     "crop_bbox": "crop_bbox_sidecar",
     "reports": "verifier_reports",
 }
-# Every pixel setting defaults to the pipeline's own default (core.pixels.PixelOptions), so a
+# Every pixel setting defaults to the pipeline's own default (core.pixel_settings.PixelOptions), so a
 # change of default there (e.g. the WebP method) reaches every dataset that does not set it.
 _PIXEL_DEFAULTS = PixelOptions()
 
@@ -167,7 +167,7 @@ class DatasetConfig(_Strict):
     audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix
     patch_size: int = Field(_PIXEL_DEFAULTS.patch_size, gt=0, le=4096)
     square: bool = _PIXEL_DEFAULTS.square
-    output_format: str = _PIXEL_DEFAULTS.output_format  # one of core.pixels.OUTPUT_FORMATS
+    output_format: str = _PIXEL_DEFAULTS.output_format  # one of core.pixel_settings.OUTPUT_FORMATS
     quality: int = Field(_PIXEL_DEFAULTS.quality, ge=0, le=100)
     webp_method: int = Field(_PIXEL_DEFAULTS.webp_method, ge=0, le=6)
     background: tuple[int, int, int] | None = _PIXEL_DEFAULTS.background  # composite transparency on this colour

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard

@@ -37,13 +37,8 @@ from fixed_res_sidecar.core.audit import (
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type, output_image_type
 from fixed_res_sidecar.core.memory import MemoryBudget
-from fixed_res_sidecar.core.pixels import (
-    ImageResult,
-    PixelOptions,
-    library_versions,
-    pipeline_settings,
-    process_image,
-)
+from fixed_res_sidecar.core.pixel_settings import PixelOptions, library_versions, pipeline_settings
+from fixed_res_sidecar.core.pixels import ImageResult, process_image
 from fixed_res_sidecar.io.parquet import ShardError, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import FAILED_VERIFICATION, encode_settings, resized_sources, staleness

@@ -19,7 +19,8 @@ from fixed_res_sidecar.core.fidelity import (
     score_output,
 )
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.sample_data import make_photo
 from fixed_res_sidecar_tests.fixtures.images import jpeg_bytes, photo_like, png_bytes
 

@@ -24,7 +24,8 @@ from fixed_res_sidecar.core.overlay import (
     panel_size,
     picture_size,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar_tests.fixtures.images import png_header_only
 
 GREY = (128, 128, 128)

@@ -8,9 +8,9 @@ import dagster as dg
 import pytest
 import yaml
 
-from fixed_res_sidecar.core import pixels
+from fixed_res_sidecar.core import pixel_settings
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.defs import config as config_module
 from fixed_res_sidecar.defs.config import (
@@ -282,7 +282,7 @@ def test_pixel_defaults_follow_core_pixels_when_it_changes(monkeypatch):
         patch_size: int = 16
         max_aspect_ratio: float = 4.0
 
-    monkeypatch.setattr(pixels, "PixelOptions", NewDefaults)
+    monkeypatch.setattr(pixel_settings, "PixelOptions", NewDefaults)
     spec = importlib.util.spec_from_file_location("config_with_new_defaults", config_module.__file__)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)

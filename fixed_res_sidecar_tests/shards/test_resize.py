@@ -10,8 +10,9 @@ import pytest
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import AUDIT_TYPES, read_audit_records
+from fixed_res_sidecar.core.decoding import MAX_COUNTED_FRAMES, decode_memory_estimate, open_image
 from fixed_res_sidecar.core.geometry import AREA_512, geometry
-from fixed_res_sidecar.core.pixels import MAX_COUNTED_FRAMES, PixelOptions, decode_memory_estimate, open_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.sample_data import write_sample_dataset

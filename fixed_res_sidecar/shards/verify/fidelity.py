@@ -25,7 +25,7 @@ from fixed_res_sidecar.core.fidelity import (
 from fixed_res_sidecar.core.image_cell import image_bytes
 from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.overlay import comparison_picture
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard

@@ -31,10 +31,10 @@ from fixed_res_sidecar.core.audit import (
     audit_type_problems,
     audit_values,
 )
+from fixed_res_sidecar.core.decoding import open_image
 from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE
 from fixed_res_sidecar.core.geometry import geometry, near_target_area
 from fixed_res_sidecar.core.image_cell import has_image, image_bytes_array, is_image_type
-from fixed_res_sidecar.core.pixels import open_image
 from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import read_settings, read_sources, resized_sources, stale_sources

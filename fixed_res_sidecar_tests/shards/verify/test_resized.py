@@ -12,7 +12,7 @@ from PIL import Image
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.geometry import geometry
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import StorageError
