@@ -3,14 +3,23 @@ bounds every setting is held to."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import typing
 
 import PIL
 import pytest
 from PIL import features
 
-from fixed_res_sidecar.core.pixel_settings import PixelOptions, library_versions, pipeline_settings
-from fixed_res_sidecar_tests.fixtures.pixels import DEFAULT
+from fixed_res_sidecar.core.pixel_settings import (
+    BACKGROUND_CHANNEL,
+    SETTING_BOUNDS,
+    Bound,
+    PixelOptions,
+    library_versions,
+    pipeline_settings,
+)
+from fixed_res_sidecar_tests.fixtures.pixels import DEFAULT, bound_edges
 
 # ----------------------------------------------------------------------------- environment
 
@@ -68,3 +77,48 @@ def test_bad_options_are_refused_before_work_starts(bad, field):
 def test_default_options_match_the_spec():
     assert DEFAULT.output_format == "webp" and DEFAULT.quality == 95 and DEFAULT.patch_size == 32
     assert DEFAULT.background is None and DEFAULT.square is False
+
+
+# ----------------------------------------------------------------------------- bounds
+
+
+def test_every_numeric_setting_has_its_one_bound():
+    hints = typing.get_type_hints(PixelOptions)
+    numeric = {f.name for f in dataclasses.fields(PixelOptions) if hints[f.name] in (int, float)}
+    assert numeric == set(SETTING_BOUNDS)
+
+
+@pytest.mark.parametrize("name", list(SETTING_BOUNDS))
+def test_options_refuse_exactly_what_the_bound_refuses(name):
+    inside, outside = bound_edges(SETTING_BOUNDS[name])
+    for value in inside:
+        assert getattr(PixelOptions(**{name: value}), name) == value
+    for value in outside:
+        with pytest.raises(ValueError, match=f"{name} must be {SETTING_BOUNDS[name].description}"):
+            PixelOptions(**{name: value})
+
+
+def test_bounds_say_their_rule():
+    rules = {name: bound.description for name, bound in SETTING_BOUNDS.items()}
+    assert rules == {
+        "quality": "an integer in 0..100",
+        "webp_method": "an integer in 0..6",
+        "patch_size": "an integer in 1..4096",
+        "max_source_pixels": "a positive integer",
+        "min_source_side": "a positive integer",
+        "max_aspect_ratio": "a finite number >= 1",
+    }
+    assert (
+        Bound(ge=5).description == "an integer >= 5" and Bound(integer=False, gt=0).description == "a finite number > 0"
+    )
+    assert SETTING_BOUNDS["patch_size"].field_constraints() == {"gt": 0, "le": 4096}
+    assert SETTING_BOUNDS["max_aspect_ratio"].field_constraints() == {"ge": 1, "allow_inf_nan": False}
+
+
+def test_background_channels_are_held_to_their_bound():
+    inside, outside = bound_edges(BACKGROUND_CHANNEL)
+    for value in inside:
+        assert PixelOptions(background=(value, value, value)).background == (value, value, value)
+    for value in outside:
+        with pytest.raises(ValueError, match="background"):
+            PixelOptions(background=(0, value, 0))
