@@ -23,6 +23,7 @@ from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.resize import (
     DECODE_MEMORY_SHARE,
     DEFAULT_TASK_MEMORY_GB,
+    ResizeTargets,
     ShardResult,
     build_resized_shard,
 )
@@ -148,12 +149,14 @@ def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
     return failed
 
 
-def _build_shard(build, layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], **options) -> ShardResult:
+def _build_shard(
+    build, layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], skip_existing: bool, **options
+) -> ShardResult:
     """One shard's build by `build` (the builder travels with the job into worker processes and Ray
     tasks, as the function it was when the run started), rebuilding its outputs that a verifier
     report failed (`--rebuild-failed`)."""
     rebuild = still_failed(layout, rel, failed) if failed else ()
-    return build(layout, rel, rebuild=rebuild, **options)
+    return build(layout, rel, targets=ResizeTargets(skip_existing=skip_existing, rebuild=rebuild), **options)
 
 
 def run(args) -> int:
