@@ -199,16 +199,15 @@ def run(args) -> int:
                 f"--use-ray needs Ray, which is not installed ({exc}); "
                 "install it with: pip install 'fixed-resolution-sidecar[ray]'"
             )
+        tasks = ray_runner.RayTaskOptions(
+            max_inflight=args.max_inflight,
+            task_cpus=args.task_cpus,
+            task_memory_gb=args.task_memory_gb,
+            max_attempts=args.max_attempts,
+        )
         try:
             summary = ray_runner.run_shards_on_ray(
-                job,
-                shards,
-                address=args.ray_address,
-                max_inflight=args.max_inflight,
-                task_cpus=args.task_cpus,
-                task_memory_gb=args.task_memory_gb,
-                max_attempts=args.max_attempts,
-                progress=progress,
+                job, shards, tasks=tasks, address=args.ray_address, progress=progress
             )
         except ray_runner.RayConnectionError as exc:
             return usage_error(exc)
