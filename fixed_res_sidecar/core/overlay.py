@@ -115,13 +115,21 @@ class _Panel:
     boxes: list[tuple[LabelledSlot, tuple[float, float, float, float]]]
 
 
+@dataclass(frozen=True)
+class OverlayRow:
+    """What an overlay picture shows of one sidecar row: the original image and its caption, and each
+    resolution's image and crop caption (encoded bytes and JSON text; None when missing)."""
+
+    original: bytes | None = None
+    caption: str | None = None
+    img_512: bytes | None = None
+    crop_512: str | None = None
+    img_1024: bytes | None = None
+    crop_1024: str | None = None
+
+
 def overlay_picture(
-    original: bytes | None,
-    caption: str | None,
-    img_512: bytes | None,
-    crop_512: str | None,
-    img_1024: bytes | None,
-    crop_1024: str | None,
+    row: OverlayRow,
     *,
     panel_width: int = PANEL_WIDTH,
     bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
@@ -139,10 +147,11 @@ def overlay_picture(
     if caption_frame not in CAPTION_FRAMES:
         raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
     limit = max_source_pixels
+    raw_frame = caption_frame == "raw"
     panels = [
-        _original_panel(original, caption, labels[0], panel_width, bbox_keys, caption_frame == "raw", limit),
-        _resized_panel(img_512, crop_512, labels[1], panel_width, bbox_keys, limit),
-        _resized_panel(img_1024, crop_1024, labels[2], panel_width, bbox_keys, limit),
+        _original_panel(row.original, row.caption, labels[0], panel_width, bbox_keys, raw_frame, limit),
+        _resized_panel(row.img_512, row.crop_512, labels[1], panel_width, bbox_keys, limit),
+        _resized_panel(row.img_1024, row.crop_1024, labels[2], panel_width, bbox_keys, limit),
     ]
     return _compose(panels)
 
