@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.overlay import write_overlays
-from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult, build_resized_shard
+from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ResizeTargets, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
     ShardReport,
@@ -115,12 +115,14 @@ def run_stages(
             outcome.resized = build_resized_shard(
                 layout,
                 rel,
-                resolutions=stages.resize,
+                targets=ResizeTargets(
+                    resolutions=stages.resize,
+                    skip_existing=options.skip_existing,
+                    rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
+                ),
                 options=options.pixels,
                 threads=options.threads,
-                skip_existing=options.skip_existing,
                 memory_gb=options.memory_gb,
-                rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
