@@ -17,7 +17,7 @@ differences are invisible, and two encoders may differ there by many dB on flat 
 Pixels are compared as 8-bit RGB; when either image has alpha, colours are premultiplied by it
 (what a transparent pixel holds does not count; WebP changes it freely) and alpha is a fourth
 channel. An output of another size than the expected one scores -PSNR_CAP: it is not the
-picture asked for. The threshold was set from the measured distributions (README, "Fidelity").
+picture asked for. The threshold was set from the measured distributions (docs/fidelity.md).
 """
 
 import math

@@ -202,7 +202,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
                 context.log.info(f"{rel}: {decision.reason}")
         todo = [rel for rel, decision in decisions.items() if decision.action is Action.BUILD]
         # The cross-run gate is the ledger's, read above; when this run verifies both resolutions
-        # itself, run_stages gates the crop on this run's own reports (README, "Dagster at scale").
+        # itself, run_stages gates the crop on this run's own reports (docs/performance.md, "Dagster at scale").
         gates = {rel: list(gate) for rel in todo if (gate := decisions[rel].gate) is not None}
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers

@@ -62,7 +62,7 @@ from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resize
 from fixed_res_sidecar.shards.verify import VerifyOptions
 
 DATASETS_ENV = "SIDECAR_DATASETS"
-DEFAULT_SHARDS_PER_RUN = 8  # measured: README, "Performance" > "Dagster at scale" (benchmarks --dagster-scale)
+DEFAULT_SHARDS_PER_RUN = 8  # measured: docs/performance.md, "Dagster at scale" (benchmarks --dagster-scale)
 DEFAULT_DATASETS_FILE = "datasets.yaml"  # in the current folder, when SIDECAR_DATASETS is not set
 
 # Dagster job, sensor and group names allow [A-Za-z0-9_]; asset keys and partition set names

@@ -76,7 +76,7 @@ class VerifyOptions:
     fidelity: bool = True  # compare sampled images with the picture their source gives
     # Of the sampled images, how many are compared with their source (None: all of them). Each costs
     # about 2.7x a row of the build (both resolutions verified: the source decoded and rendered twice), so
-    # 8 keep the verifier near 2% of the build of a 1,000-row shard (README, "Fidelity").
+    # 8 keep the verifier near 3% of the build of a 1,000-row shard (measured 2.8%: docs/fidelity.md, "Cost").
     fidelity_sample: int | None = 8
     fidelity_min_score: float = FIDELITY_MIN_SCORE
 
