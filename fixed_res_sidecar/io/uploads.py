@@ -43,7 +43,8 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
     pool = ThreadPoolExecutor(MULTIPART_THREADS, thread_name_prefix="upload-part")
     # Created in a thread: an interrupt of this thread (Ctrl-C, SIGTERM) that lands after the
     # server made the upload but before its id got here would otherwise lose the id to abort.
-    # The future exists before the thread starts, so no interrupt can come between them either.
+    # The future exists before the thread starts, so no interrupt can come between them either;
+    # on the way out it is cancelled if the creation has not started, else awaited.
     created: Future = Future()
     record = Path(path + UPLOAD_RECORD_SUFFIX)
     parts: list[Future] = []
@@ -58,17 +59,21 @@ def upload_file(client, path: str, bucket: str, key: str) -> None:
         client.complete_multipart_upload(
             Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": [p.result() for p in parts]}
         )
+        # Still under the handler: an interrupt here (joining the threads takes a moment) must not
+        # leave the record, which keeps its staging folder (aborting a completed upload is a no-op).
+        pool.shutdown()
+        record.unlink(missing_ok=True)
     except BaseException as exc:
         pool.shutdown(wait=False, cancel_futures=True)  # no further part starts
         upload_id = _created_upload_id(created)
         if upload_id is None or _abandon_upload(client, bucket, key, upload_id, parts, exc):
             record.unlink(missing_ok=True)
         raise
-    pool.shutdown()
-    record.unlink(missing_ok=True)
 
 
 def _create_upload(created: Future, client, bucket: str, key: str, checksum: dict) -> None:
+    if not created.set_running_or_notify_cancel():
+        return  # the caller was interrupted before this started: it never starts
     try:
         created.set_result(client.create_multipart_upload(Bucket=bucket, Key=key, **checksum)["UploadId"])
     except BaseException as exc:  # noqa: BLE001 - handed to the caller
@@ -76,11 +81,20 @@ def _create_upload(created: Future, client, bucket: str, key: str, checksum: dic
 
 
 def _created_upload_id(created: Future) -> str | None:
-    """The id of the upload `created` holds, awaiting the server's answer if the caller was
-    interrupted before it (a stopping process has only seconds); None if it was not created."""
+    """The id of the upload `created` holds, for a caller on its way out; None if there is none.
+
+    A creation that has not started is cancelled: it never starts. One that has is awaited,
+    however long the server takes to answer (the client's timeouts and retries bound it): the
+    server may have made the upload already, and without its id neither this process nor a later
+    run could abort it (the record needs the id). Giving up sooner gains nothing: the process's
+    exit waits for the creating thread anyway, and a stopping worker that runs out of time is
+    killed by its parent (runner.py), which leaves no more than giving up would.
+    """
+    if created.cancel():
+        return None
     try:
-        return created.result(timeout=PART_LANDING_SECONDS)
-    except Exception:  # noqa: BLE001 - not created, or not known in time: the next run's sweep removes it
+        return created.result()
+    except Exception:  # noqa: BLE001 - not created (or not known to be: the next runs' stale sweep removes it)
         return None
 
 

@@ -33,7 +33,7 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
 )
 from fixed_res_sidecar_tests.fixtures.permissions import WITHOUT_PERMISSION_OVERRIDE, unreadable
 from fixed_res_sidecar_tests.fixtures.pixels import bound_edges
-from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
+from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, resume, started, wait_until_gone
 from fixed_res_sidecar_tests.fixtures.slow_link import slow_uplink
 
 SIDECAR_OPS = [sys.executable, "-m", "fixed_res_sidecar.cli"]
@@ -365,9 +365,11 @@ def test_workers_exit_when_the_parent_is_killed(slow_main, tmp_path):
 def test_sigterm_stops_the_workers_and_exits_143(slow_main, tmp_path):
     out = tmp_path / "out"
     args = _build_both_args(slow_main, str(out))
-    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out)) as (process, procs):
+    # Held mid-shard while the signal is sent: it cannot finish first, however slow this test's look.
+    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out), paused=True) as (process, procs):
         os.kill(process.pid, signal.SIGTERM)  # the parent alone, as Kubernetes and Ray do
         stopping = time.monotonic()
+        resume(process)
         _, stderr = process.communicate(timeout=60)
         seconds = time.monotonic() - stopping
         assert process.returncode == 143, stderr.decode()
@@ -383,8 +385,11 @@ def test_sigterm_stops_the_workers_and_exits_143(slow_main, tmp_path):
 def test_ctrl_c_stops_everything_and_exits_130(slow_main, tmp_path):
     out = tmp_path / "out"
     args = _build_both_args(slow_main, str(out))
-    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out)) as (process, procs):
+    # SIGINT as a terminal gives it (even to a pytest started by a script in the background, which
+    # inherits it ignored), and the build held mid-shard while it is sent: it cannot finish first.
+    with started([*SIDECAR_OPS, *args], lambda: _temporaries(out), paused=True) as (process, procs):
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        resume(process)
         _, stderr = process.communicate(timeout=60)
         assert process.returncode == 130, stderr.decode()
         assert not [p for p in pool_workers(procs) if p.running]
