@@ -203,6 +203,7 @@ def test_a_patch_size_of_4097_is_refused_before_any_work(sample_main, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.stress
 def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
     main = Location.parse(tmp_path / "main")
     write_sample_dataset(main, shards=["big.parquet"], rows_per_shard=64, row_group_size=16,
@@ -265,6 +266,7 @@ def test_skip_existing_rebuilds_a_damaged_shard_and_only_it(sample_build):
     assert sidecar_ops(*verify).returncode == 0
 
 
+@pytest.mark.stress
 def test_skip_existing_rebuilds_what_main_changed_and_the_verifiers_call_the_old_outputs_stale(sidecar_build):
     """A main shard re-crawled (other images, same keys, captions and row count): both verifiers
     fail its outputs as stale, naming the shard; `--skip-existing` rebuilds that shard's outputs
@@ -348,6 +350,7 @@ def _assert_rerun_completes(args: list[str], out: str, rels, rows: int, env=None
     return rerun
 
 
+@pytest.mark.stress
 def test_workers_exit_when_the_parent_is_killed(slow_main, tmp_path):
     out = tmp_path / "out"
     args = _build_both_args(slow_main, str(out))
@@ -362,6 +365,7 @@ def test_workers_exit_when_the_parent_is_killed(slow_main, tmp_path):
     _assert_rerun_completes(args, str(out), SLOW_SHARDS, SLOW_ROWS)
 
 
+@pytest.mark.stress
 def test_sigterm_stops_the_workers_and_exits_143(slow_main, tmp_path):
     out = tmp_path / "out"
     args = _build_both_args(slow_main, str(out))
@@ -382,6 +386,7 @@ def test_sigterm_stops_the_workers_and_exits_143(slow_main, tmp_path):
     _assert_rerun_completes(args, str(out), SLOW_SHARDS, SLOW_ROWS)
 
 
+@pytest.mark.stress
 def test_ctrl_c_stops_everything_and_exits_130(slow_main, tmp_path):
     out = tmp_path / "out"
     args = _build_both_args(slow_main, str(out))
@@ -442,6 +447,7 @@ def s3_build(s3_bucket, s3_server, tmp_path):
                       {**env, "AWS_ENDPOINT_URL": slow_endpoint})  # fmt: skip
 
 
+@pytest.mark.stress
 def test_a_killed_s3_build_leaves_uploads_and_staging_folders_that_the_next_run_removes(s3_build, s3_bucket):
     build = s3_build
     with started([*SIDECAR_OPS, *build.args], lambda: _uploads(s3_bucket), build.slow_env) as (process, procs):
@@ -457,6 +463,7 @@ def test_a_killed_s3_build_leaves_uploads_and_staging_folders_that_the_next_run_
     print(f"\nkilled: {len(left_uploads)} uploads, {len(left_folders)} staging folders left; after the rerun: 0, 0")
 
 
+@pytest.mark.stress
 def test_sigterm_during_s3_uploads_aborts_them_and_leaves_nothing(s3_build, s3_bucket):
     build = s3_build
     with started([*SIDECAR_OPS, *build.args], lambda: _uploads(s3_bucket), build.slow_env) as (process, procs):
@@ -469,6 +476,7 @@ def test_sigterm_during_s3_uploads_aborts_them_and_leaves_nothing(s3_build, s3_b
     _assert_rerun_completes(build.args, build.out, NOISE_SHARDS, NOISE_ROWS, build.env)
 
 
+@pytest.mark.stress
 def test_rebuild_failed_repairs_the_shards_a_verifier_report_failed(sample_main, tmp_path):
     """--skip-existing keeps a shard whose pictures are wrong (its footer is fine); --rebuild-failed with
     the verifier's report rebuilds it, and only while the failed object is still there."""

@@ -239,6 +239,7 @@ def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
     return observation.description
 
 
+@pytest.mark.stress
 @pytest.mark.filterwarnings("ignore::dagster.BetaWarning")  # raised inside Dagster's own evaluator
 def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
@@ -519,6 +520,7 @@ def test_a_shard_removed_from_main_is_skipped_and_its_batch_goes_on(tmp_path, in
     assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
 
 
+@pytest.mark.stress
 def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_repairs_them(
     tiny_config, tiny_defs, instance
 ):

@@ -311,6 +311,7 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     assert requested(fourth) == [other]
 
 
+@pytest.mark.stress
 def test_100k_shards_are_taken_in_bounded_ticks_and_one_change_or_removal_among_them_is_found(tmp_path, instance):
     """The listing state of 100,000 shards: taken at most `max_new` per tick, kept in one small
     key-value row, and a later pass finds the one rewritten shard and the one removed shard."""
