@@ -10,7 +10,7 @@ PILLOW_SIMD=pillow-simd==12.1.1.post0
 BUILD_HEADERS="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
 # chromium: the browser tests drive Debian's Chromium with Playwright (no browser download).
 # postgresql: the Postgres-backed Dagster tests start their own server from Debian's binaries.
-APT_PACKAGES="$BUILD_HEADERS chromium postgresql"
+APT_PACKAGES="$BUILD_HEADERS chromium postgresql nodejs"  # nodejs: the pip pyright runs on the node it finds on PATH
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi

@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> int:
     verify_options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.verify_sample)
     gate = functools.partial(require_verified, layout, options=verify_options)
     job = functools.partial(build_crop_bbox_shard, layout, skip_existing=args.skip_existing, gate=gate)
-    print(f"{len(shards)} shards under {layout.main.uri} -> {layout.sidecar.uri}", file=sys.stderr)
-    clean_leftovers([layout.sidecar])
+    print(f"{len(shards)} shards under {layout.main.uri} -> {layout.sidecar_location().uri}", file=sys.stderr)
+    clean_leftovers([layout.sidecar_location()])
     summary = run_shards(job, shards, workers=args.threads, threads=True, progress=Progress(len(shards)))
     print(format_summary(summary))
     if links := symlink_report(layout.main):

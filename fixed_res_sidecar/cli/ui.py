@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "ui",
         help="start the Dagster UI (dagster dev) on a datasets file, from any folder",
-        description=__doc__.split("\n\n", 1)[1],
+        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,  # None under python -OO
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--datasets", default=None, help="the datasets file")

@@ -208,10 +208,10 @@ def run_verify_crop_bbox(args) -> int:
     checked = _run_all(shards, verify_shard, args.threads)
     outputs = {name: output.location for name, output in layout.resized.items()}
     try:
-        summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar})
+        summary = dataset_summary(layout.main, {**outputs, "sidecar": layout.sidecar_location()})
     except StorageError as exc:
         return storage_failed(exc)
-    header = f"verify-crop-bbox {layout.sidecar.uri} against {layout.main.uri}"
+    header = f"verify-crop-bbox {layout.sidecar_location().uri} against {layout.main.uri}"
     overlay_failures: dict[str, str] = {}
     if overlay_dir is not None:
         written, overlay_failures, storage = _draw_overlays(

@@ -146,10 +146,17 @@ class CropFrame:
     @classmethod
     def from_audit(cls, record: AuditRecord) -> "CropFrame | None":
         """The frame recorded by the resize stage, or None when the audit lacks any part of it."""
-        parts = (record.src_width, record.src_height, record.crop_x0, record.crop_y0, record.crop_x1, record.crop_y1)
-        if any(p is None for p in parts):
+        width, height, x0, y0, x1, y1 = (
+            record.src_width,
+            record.src_height,
+            record.crop_x0,
+            record.crop_y0,
+            record.crop_x1,
+            record.crop_y1,
+        )
+        if width is None or height is None or x0 is None or y0 is None or x1 is None or y1 is None:
             return None
-        frame = cls(*parts)
+        frame = cls(width, height, x0, y0, x1, y1)
         if frame.x1 <= frame.x0 or frame.y1 <= frame.y0 or frame.src_width <= 0 or frame.src_height <= 0:
             return None
         return frame
@@ -301,7 +308,8 @@ class BoxSlot(NamedTuple):
     variant are the same object.
     """
 
-    index: int  # walk order over the caption, from 0
+    # walk order over the caption, from 0; a field named like tuple.index on purpose (its readers say slot.index)
+    index: int  # pyright: ignore[reportIncompatibleMethodOverride]
     value: Any
     holder: dict  # the JSON object holding the box key
     key: str  # the box key
@@ -408,7 +416,8 @@ def _walk(
     if not isinstance(caption, (dict, list)):
         return
     # One entry per open container: the container, its remaining items, its copy, its JSON path.
-    stack = [(caption, _items(caption), root, None)]
+    # The copy is Any: a container of the node's own kind (dict or list), or None without `root`.
+    stack: list[tuple[dict | list, Iterator[tuple[Any, Any]], Any, Any]] = [(caption, _items(caption), root, None)]
     while stack:
         node, items, copy, parts = stack[-1]
         if isinstance(node, dict):

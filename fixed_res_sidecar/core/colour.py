@@ -14,6 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 from PIL import Image, ImageChops, ImageCms, ImageMath
 
@@ -111,7 +112,8 @@ def _build_conversion(icc_profile: bytes, mode: str) -> ColourConversion:
     """An sRGB transform for an embedded profile; a note instead when it cannot be honoured."""
     try:
         profile = ImageCms.ImageCmsProfile(io.BytesIO(icc_profile))
-        colour_space = profile.profile.xcolor_space.strip()
+        # PIL types .profile as its constructor's argument union; it is the parsed core.CmsProfile
+        colour_space = profile.profile.xcolor_space.strip()  # pyright: ignore[reportAttributeAccessIssue]
     except Exception as exc:  # noqa: BLE001 - an untrusted profile: not honoured, and the row says so
         return ColourConversion(note=f"embedded ICC profile ignored, unreadable: {describe_exception(exc)}")
     expected = _PROFILE_COLOUR_SPACE[mode]
@@ -136,8 +138,16 @@ def _is_identity(profile: ImageCms.ImageCmsProfile) -> bool:
     """
     transform = ImageCms.buildTransform(profile, _SRGB_PROFILE, "RGB", "RGB")
     probe = _colour_cube()
-    difference = ImageChops.difference(probe, ImageCms.applyTransform(probe, transform))
-    return max(high for _, high in difference.getextrema()) <= 1
+    difference = ImageChops.difference(probe, _apply(probe, transform))
+    extrema = cast("tuple[tuple[int, int], ...]", difference.getextrema())  # an RGB image: (low, high) per band
+    return max(high for _, high in extrema) <= 1
+
+
+def _apply(image: Image.Image, transform: ImageCms.ImageCmsTransform) -> Image.Image:
+    """ImageCms.applyTransform, typed: it returns None only when converting in place (inPlace=True)."""
+    converted = ImageCms.applyTransform(image, transform)
+    assert converted is not None
+    return converted
 
 
 @lru_cache(maxsize=1)
@@ -152,10 +162,10 @@ def to_srgb(image: Image.Image, colour: ColourConversion) -> tuple[Image.Image, 
     if colour.transform is not None:
         try:
             if image.mode == "LA":
-                rgb = ImageCms.applyTransform(image.getchannel("L"), colour.transform)
+                rgb = _apply(image.getchannel("L"), colour.transform)
                 rgb.putalpha(image.getchannel("A"))
                 return rgb, None
-            return ImageCms.applyTransform(image, colour.transform), None
+            return _apply(image, colour.transform), None
         except Exception as exc:  # noqa: BLE001 - as in _build_conversion
             note = f"embedded ICC profile ignored, transform failed: {describe_exception(exc)}"
             return (image.convert("RGB") if image.mode == "CMYK" else image), note

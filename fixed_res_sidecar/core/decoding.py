@@ -138,7 +138,8 @@ def frame_count(image: Image.Image, data: bytes) -> tuple[int | None, str | None
         elif image.format == "TIFF":
             frames = _seek_frame_count(image, MAX_COUNTED_FRAMES + 1)
         else:
-            frames = int(image.n_frames)
+            # every animated plugin image has n_frames; PIL declares it on the plugins, not on Image
+            frames = int(image.n_frames)  # pyright: ignore[reportAttributeAccessIssue]
     except Exception:  # noqa: BLE001 - a broken animation: its first frame may still decode
         return None, None
     if frames > MAX_COUNTED_FRAMES:

@@ -104,6 +104,7 @@ def expected_output(
     result = results[areas.index(area)]
     if not result.record.valid:
         return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
+    assert result.image is not None  # a valid result holds its image
     image = decoded(result.image)
     return Expected(image, psnr(image, decoded(encode_output(image, rendering.options)))), None
 
@@ -135,6 +136,7 @@ def score_output(
             best = (result, expected)
         if result.score >= OTHER_PATH_BELOW:
             break
+    assert best is not None  # `paths` is never empty
     return best
 
 

@@ -47,14 +47,16 @@ def image_bytes_array(array: pa.Array) -> pa.Array:
     if pa.types.is_struct(array.type):
         if isinstance(array, pa.ChunkedArray):
             return pa.chunked_array([image_bytes_array(chunk) for chunk in array.chunks], _bytes_type(array.type))
-        return pc.struct_field(array, [array.type.get_field_index(BYTES_FIELD)])
+        # pyarrow.compute makes its kernel functions at import time, so a checker sees no struct_field
+        return pc.struct_field(array, [array.type.get_field_index(BYTES_FIELD)])  # pyright: ignore[reportAttributeAccessIssue]
     return array
 
 
 def has_image(array: pa.Array) -> pa.Array:
     """Per row, whether an image column holds non-empty bytes; never null. Copies no image."""
     data = image_bytes_array(array)
-    return pc.fill_null(pc.greater(pc.binary_length(data), 0), False)
+    # greater and binary_length: pyarrow.compute kernels, made at import time (as struct_field above)
+    return pc.fill_null(pc.greater(pc.binary_length(data), 0), False)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _bytes_type(struct_type: pa.DataType) -> pa.DataType:

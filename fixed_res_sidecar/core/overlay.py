@@ -269,7 +269,7 @@ def _placeholder(title: str, panel_width: int) -> _Panel:
     return _Panel(title, Image.new("RGB", (panel_width, panel_width // 2), PLACEHOLDER), [])
 
 
-def _font(size: int) -> ImageFont.ImageFont:
+def _font(size: int) -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
     try:
         return ImageFont.load_default(size=size)
     except TypeError:  # Pillow without FreeType: the fixed bitmap font

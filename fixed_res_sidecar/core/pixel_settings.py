@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from importlib import metadata
 from types import MappingProxyType
+from typing import Any, cast
 
 import PIL
 from PIL import Image, features
@@ -64,10 +65,11 @@ class Bound:
                 return False
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             return False
+        number = cast("int | float", value)  # an integer (numbers.Integral) or a finite float, checked above
         return (
-            (self.gt is None or value > self.gt)
-            and (self.ge is None or value >= self.ge)
-            and (self.le is None or value <= self.le)
+            (self.gt is None or number > self.gt)
+            and (self.ge is None or number >= self.ge)
+            and (self.le is None or number <= self.le)
         )
 
     @property
@@ -149,7 +151,7 @@ class PixelOptions:
             object.__setattr__(self, "background", tuple(self.background))
 
     @classmethod
-    def from_values(cls, values: Mapping[str, object]) -> PixelOptions:
+    def from_values(cls, values: Mapping[str, Any]) -> PixelOptions:
         """The options named in `values` (command-line arguments, a dataset's settings); others default."""
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in values.items() if name in names})

@@ -89,7 +89,7 @@ def process_image(
         source = _open(data, known, options)
         plans = [_plan(area, known, options) for area in areas]
         if not any(isinstance(plan, Geometry) for plan in plans):
-            return [_invalid(known, plan) for plan in plans]
+            return [_invalid(known, plan) for plan in plans if isinstance(plan, _RowError)]  # that is, every plan
         draft = _planned_draft(source, plans, options)
         try:
             with _reserved(budget, decode_memory_estimate(source.image, draft)):
@@ -181,6 +181,7 @@ def _set_orientation(source: _Source, known: AuditRecord, orientation: int) -> N
 
 def _plan(area: int, known: AuditRecord, options: PixelOptions) -> Geometry | _RowError:
     """The geometry of one output, or why it cannot be made. Needs no pixels."""
+    assert known.src_width is not None and known.src_height is not None  # _open has set the source's size
     target = geometry(known.src_width, known.src_height, area, options.patch_size, options.square)
     limit = ENCODER_MAX_SIDE[options.output_format]
     tw, th = target.target_size
@@ -210,8 +211,10 @@ def _decode(source: _Source, known: AuditRecord, draft: int) -> Decoded:
     except Exception as exc:
         raise _RowError(ErrorCode.DECODE_ERROR, describe_exception(exc)) from None
 
-    if source.orientation is None:
-        _set_orientation(source, known, read_orientation(image))
+    orientation = source.orientation
+    if orientation is None:
+        orientation = read_orientation(image)
+        _set_orientation(source, known, orientation)
         source.orientation_read_late = True
 
     try:
@@ -225,7 +228,7 @@ def _decode(source: _Source, known: AuditRecord, draft: int) -> Decoded:
         # Resample with premultiplied alpha so transparent pixels do not bleed their colour.
         # Done once here rather than by Image.resize once per output.
         pixels = pixels.convert(PREMULTIPLIED[pixels.mode])
-    return Decoded(pixels, source.raw_size, draft_scale, source.orientation, colour)
+    return Decoded(pixels, source.raw_size, draft_scale, orientation, colour)
 
 
 def _render_all(decoded: Decoded, plans: list, known: AuditRecord, options: PixelOptions) -> list[ImageResult]:

@@ -26,7 +26,7 @@ No `from __future__ import annotations` here: Dagster reads the `context` annota
 
 import base64
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from dataclasses import replace
 
 import dagster as dg
@@ -138,7 +138,7 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
             automation_condition=CROP_BBOX_CONDITION,
             description=(
                 "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
-                f"bbox_resize_meta per row, at {layout.sidecar.uri}. Built for a shard only after both verifiers' "
+                f"bbox_resize_meta per row, at {layout.sidecar_location().uri}. Built for a shard only after both verifiers' "
                 "blocking checks passed for it (a refused shard gets an observation saying why, and no "
                 "materialization). Overlay pictures of sampled rows are in the materialization metadata."
             ),
@@ -237,7 +237,7 @@ def _per_shard_check_results(record: logging.LogRecord) -> bool:
     return "did not yield or return expected outputs" not in record.getMessage()
 
 
-def selected_stages(keys: DatasetKeys, selected: set[dg.AssetKey]) -> Stages:
+def selected_stages(keys: DatasetKeys, selected: Set[dg.AssetKey]) -> Stages:
     return Stages(
         resize=tuple(r for r in RESOLUTION_NAMES if keys.resized(r) in selected),
         verify=tuple(r for r in RESOLUTION_NAMES if keys.verify(r) in selected),
@@ -330,10 +330,11 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
     elif outcome.crop is not None:
         context.log.info(f"{rel}: crop_bbox {outcome.crop.status_text}")
         report = outcome.crop_report
+        assert report is not None  # run_stages verifies every crop_bbox it builds
         # Overlay pictures first: the UI lists metadata in this order.
         metadata = _overlay_metadata(layout.report_location("overlays"), outcome, dataset.overlay_embed)
         metadata |= {
-            **_shard_metadata(layout.sidecar, rel),
+            **_shard_metadata(layout.sidecar_location(), rel),
             "dagster/row_count": dg.MetadataValue.int(outcome.crop.rows),
             "status": dg.MetadataValue.text(outcome.crop.status),
             "report": dg.MetadataValue.path(outcome.report_paths["crop_bbox"]),
@@ -438,7 +439,9 @@ def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> 
         return {"overlays": dg.MetadataValue.text(f"overlay pictures could not be drawn: {outcome.overlay_problem}")}
     if not outcome.overlays:
         return {}
-    metadata = {"overlays": dg.MetadataValue.md(overlay_markdown(overlays, outcome.overlays, embed))}
+    metadata: dict[str, dg.MetadataValue] = {
+        "overlays": dg.MetadataValue.md(overlay_markdown(overlays, outcome.overlays, embed))
+    }
     link = overlays.link(outcome.overlays[0].removeprefix(overlays.uri.rstrip("/") + "/"))
     metadata["overlay_full_size"] = dg.MetadataValue.url(link) if overlays.is_s3 else dg.MetadataValue.path(link)
     return metadata

@@ -141,7 +141,7 @@ def report_counts(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
     counts = {"rows": report.rows or 0, "valid": report.valid or 0, "invalid": report.invalid or 0}
     counts.update({f"invalid_{code}": report.error_counts.get(code, 0) for code in ERROR_CODES})
     unknown = {code: n for code, n in report.error_counts.items() if code not in ERROR_CODES}
-    metadata = {name: dg.MetadataValue.int(n) for name, n in counts.items()}
+    metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in counts.items()}
     if unknown:  # codes outside SPEC 5 (a damaged audit): shown, not dropped
         metadata["invalid_other_codes"] = dg.MetadataValue.json(unknown)
     return metadata
@@ -152,7 +152,7 @@ def fidelity_numbers(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
     rows compared, rows failing, min and median score, rows per score bin."""
     check = next((c for c in report.checks if c.name == verify.FIDELITY), None)
     found = check.metadata if check is not None else {}
-    numbers = {
+    numbers: dict[str, dg.MetadataValue] = {
         "fidelity_rows_checked": dg.MetadataValue.int(found.get("checked", 0)),
         "fidelity_failing_rows": dg.MetadataValue.int(found.get("failing_rows", 0)),
     }

@@ -82,7 +82,8 @@ _PIXEL_DEFAULTS = PixelOptions()
 
 def _pixel_setting(name: str) -> Any:
     """The field of a numeric pixel setting: the pipeline's default, and its bound (SETTING_BOUNDS) for pydantic."""
-    return Field(getattr(_PIXEL_DEFAULTS, name), **SETTING_BOUNDS[name].field_constraints())
+    constraints: dict[str, Any] = SETTING_BOUNDS[name].field_constraints()  # Field's keyword arguments
+    return Field(getattr(_PIXEL_DEFAULTS, name), **constraints)
 
 
 class ConfigError(ValueError):
@@ -137,17 +138,17 @@ class LimitsConfig(_Strict):
 class RunResources(_Strict):
     """What one shard run needs; becomes run tags that run launchers and queues read."""
 
-    cpu: float = Field(1, gt=0)
-    memory_gb: float = Field(4, gt=0)
+    cpu: float = Field(default=1, gt=0)
+    memory_gb: float = Field(default=4, gt=0)
 
 
 class SensorConfig(_Strict):
     """The shard discovery sensor of one dataset."""
 
-    interval_seconds: int = Field(60, ge=5)
+    interval_seconds: int = Field(default=60, ge=5)
     default_status: Literal["running", "stopped"] = "stopped"
     # New shards added (and runs requested) per tick; the next tick continues from the cursor.
-    max_new_shards_per_tick: int = Field(2000, ge=1, le=100_000)
+    max_new_shards_per_tick: int = Field(default=2000, ge=1, le=100_000)
 
 
 class DatasetConfig(_Strict):
@@ -172,15 +173,15 @@ class DatasetConfig(_Strict):
     webp_method: int = _pixel_setting("webp_method")
     background: tuple[int, int, int] | None = _PIXEL_DEFAULTS.background  # composite transparency on this colour
     limits: LimitsConfig = LimitsConfig()
-    threads_per_shard: int = Field(1, ge=1, le=256)
+    threads_per_shard: int = Field(default=1, ge=1, le=256)
     # Shards one run builds (a backfill's runs and the discovery sensor's): fewer runs, less overhead
     # per shard; the shards of a run are built in parallel within run_resources.cpu.
-    shards_per_run: int = Field(DEFAULT_SHARDS_PER_RUN, ge=1, le=1000)
+    shards_per_run: int = Field(default=DEFAULT_SHARDS_PER_RUN, ge=1, le=1000)
     run_resources: RunResources = RunResources()
     sensor: SensorConfig = SensorConfig()
-    verify_sample: int = Field(32, ge=0)  # images decoded per shard and resolution
-    overlay_sample: int = Field(3, ge=0, le=50)  # overlay pictures drawn per shard (under reports)
-    overlay_embed: int = Field(1, ge=0, le=10)  # of those, pictures inlined in the crop_bbox materialization
+    verify_sample: int = Field(default=32, ge=0)  # images decoded per shard and resolution
+    overlay_sample: int = Field(default=3, ge=0, le=50)  # overlay pictures drawn per shard (under reports)
+    overlay_embed: int = Field(default=1, ge=0, le=10)  # of those, pictures inlined in the crop_bbox materialization
 
     @field_validator("name")
     @classmethod
@@ -222,9 +223,11 @@ class DatasetConfig(_Strict):
     def _fill_outputs(self) -> "DatasetConfig":
         given = self.outputs.model_dump()
         missing = [name for name in OUTPUT_NAMES if given[name] is None]
-        if missing and self.output_root is None:
-            raise ValueError(f"outputs {missing} have no location: give them under 'outputs', or give 'output_root'")
         if missing:
+            if self.output_root is None:
+                raise ValueError(
+                    f"outputs {missing} have no location: give them under 'outputs', or give 'output_root'"
+                )
             root = Location.parse(self.output_root)
             for name in missing:
                 given[name] = Location.parse(root.child(f"{DEFAULT_OUTPUT_FOLDERS[name]}/{self.name}")).uri
@@ -251,6 +254,8 @@ class DatasetConfig(_Strict):
 
     @cached_property
     def layout(self) -> DatasetLayout:
+        # _fill_outputs gave every output a location
+        assert self.outputs.crop_bbox is not None and self.outputs.reports is not None
         return DatasetLayout(
             Location.parse(self.main_prefix),
             {

@@ -151,7 +151,9 @@ def update_state(
 
 def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -> None:
     """The counts a materialization adds to its shard's numbers (rows, bytes, valid and invalid rows, fidelity)."""
-    metadata = {key: value.value for key, value in record.asset_materialization.metadata.items()}
+    materialization = record.asset_materialization
+    assert materialization is not None  # a record of fetch_materializations
+    metadata = {key: value.value for key, value in materialization.metadata.items()}
     if name == ledger.MAIN:
         shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
     elif name.startswith("resized_"):
@@ -170,7 +172,7 @@ def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
     """Mark this update, and move `settled` up to the marks older than `settle_seconds` when it started:
     their events had committed by then, so this update read every one of them."""
     state.marks.append([time.time(), state.cursors["high"]])
-    ripe = [high for when, high in state.marks if when <= started - settle_seconds]
+    ripe = [int(high) for when, high in state.marks if when <= started - settle_seconds]  # storage ids: ints
     if ripe:
         state.cursors["settled"] = max([state.cursors.get("settled", 0), *ripe])
         state.marks = [mark for mark in state.marks if mark[0] > started - settle_seconds]
@@ -343,7 +345,7 @@ class DatasetAudit:
             numbers[f"{r}_invalid_rows"] = self.invalid.get(r, 0)
             for code in ERROR_CODES:
                 numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
-        metadata = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
+        metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
         for r in RESOLUTION_NAMES:
             metadata.update(self.fidelity_metadata(r))
         return metadata
@@ -353,7 +355,7 @@ class DatasetAudit:
         bin, the lowest score and the median of the shards' median scores (numbers a plot draws)."""
         found = self.fidelity.get(resolution) or {"checked": 0, "failing": 0, "bins": {}, "min": None, "medians": []}
         prefix = f"{resolution}_fidelity"
-        metadata = {
+        metadata: dict[str, dg.MetadataValue] = {
             f"{prefix}_rows_checked": dg.MetadataValue.int(found["checked"]),
             f"{prefix}_failing_rows": dg.MetadataValue.int(found["failing"]),
             **{f"{prefix}_score_{bin}": dg.MetadataValue.int(found["bins"].get(bin, 0)) for bin in SCORE_BINS},

@@ -19,7 +19,7 @@ import base64
 import json
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -205,7 +205,7 @@ def materialization_of(record: dg.EventLogRecord) -> ledger.Materialization:
     )
 
 
-def _input_version(tags: dict[str, str], key: dg.AssetKey) -> str | None:
+def _input_version(tags: Mapping[str, str], key: dg.AssetKey) -> str | None:
     main = dg.AssetKey([*key.path[:-1], ledger.MAIN])
     return tags.get(get_input_data_version_tag(main))
 

@@ -44,7 +44,12 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
             tags = tags_for(run)
             if tags:
                 self._instance.add_run_tags(run.run_id, tags)
-                context = dg.SubmitRunContext(self._instance.get_run_by_id(run.run_id), context.workspace)
+                tagged = self._instance.get_run_by_id(run.run_id)
+                if tagged is None:  # deleted while it was being submitted
+                    raise dg.DagsterRunNotFoundError(
+                        f"run {run.run_id} is gone from run storage", invalid_run_id=run.run_id
+                    )
+                context = dg.SubmitRunContext(tagged, context.workspace)
         return super().submit_run(context)
 
 

@@ -145,7 +145,7 @@ def observe_shards(main: Location, rels: list[str], threads: int = 16) -> dict[s
     """
 
     def observe(rel: str) -> tuple[str, dict[str, dg.MetadataValue]]:
-        metadata = {"uri": dg.MetadataValue.path(main.child(rel))}
+        metadata: dict[str, dg.MetadataValue] = {"uri": dg.MetadataValue.path(main.child(rel))}
         try:
             parquet_file = main.parquet_file(rel)
             metadata["bytes"] = dg.MetadataValue.int(main.size(rel) or 0)
@@ -173,7 +173,8 @@ def main_events(
     events: list[dg.AssetMaterialization | dg.AssetObservation] = []
     for rel, metadata in observe_shards(main, [*found.new, *found.changed], threads).items():
         version = metadata.get("fingerprint")
-        tags = {"dagster/data_version": version.value} if version is not None else None
+        # observe_shards records the fingerprint as text
+        tags = {"dagster/data_version": version.value} if isinstance(version, dg.TextMetadataValue) else None
         events.append(dg.AssetMaterialization(asset_key=keys.main, partition=rel, metadata=metadata, tags=tags))
         if rel in found.changed and tags:
             events.append(dg.AssetObservation(asset_key=keys.main, partition=rel, metadata=metadata, tags=tags))

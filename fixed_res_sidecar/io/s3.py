@@ -37,7 +37,7 @@ STATIC_CREDENTIAL_METHODS = {"explicit", "env", "shared-credentials-file", "conf
 
 @functools.lru_cache(maxsize=8)
 def _s3_client(endpoint: str | None, profile: str | None, region: str | None):
-    import boto3
+    import boto3.session
     from botocore.config import Config
 
     # boto3 reads AWS_ENDPOINT_URL, the region and the profile's endpoint_url itself.
@@ -48,7 +48,7 @@ def _s3_client(endpoint: str | None, profile: str | None, region: str | None):
 
 @functools.lru_cache(maxsize=8)
 def _s3_filesystem(endpoint: str | None, profile: str | None, region: str | None) -> pafs.S3FileSystem:
-    import boto3
+    import boto3.session
 
     client = _s3_client(endpoint, profile, region)
     endpoint_url = client.meta.endpoint_url

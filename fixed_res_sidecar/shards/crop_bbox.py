@@ -127,8 +127,9 @@ class _Tally:
         for name in RESOLUTIONS:
             if not audits[name].valid:
                 self.invalid_rows[name] += 1
-            if row.counts[name] is not None:
-                self.boxes[name].merge(row.counts[name])
+            counts = row.counts[name]
+            if counts is not None:
+                self.boxes[name].merge(counts)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {
@@ -275,17 +276,18 @@ def _aligned(sources: list[Iterator[pa.RecordBatch]]) -> Iterator[list[pa.Record
     held: list[pa.RecordBatch | None] = [None] * len(sources)
     while True:
         for i, source in enumerate(sources):
-            while held[i] is None or held[i].num_rows == 0:
+            while (batch := held[i]) is None or batch.num_rows == 0:
                 held[i] = next(source, None)
                 if held[i] is None:
                     break
         if all(batch is None for batch in held):
             return
-        if any(batch is None for batch in held):
+        present = [batch for batch in held if batch is not None]
+        if len(present) < len(held):
             raise ShardError("an input shard ended before the others (its footer row count is wrong)")
-        n = min(batch.num_rows for batch in held)
-        yield [batch.slice(0, n) for batch in held]
-        held = [batch.slice(n) for batch in held]
+        n = min(batch.num_rows for batch in present)
+        yield [batch.slice(0, n) for batch in present]
+        held = [batch.slice(n) for batch in present]
 
 
 def _check_keys(expected: pa.Array, actual: pa.Array, row_offset: int, main_uri: str, source: _Input) -> None:

@@ -90,6 +90,12 @@ class DatasetLayout:
     def building_caption_frame(self) -> str:
         return self.caption_frame or CAPTION_FRAMES[0]
 
+    def sidecar_location(self) -> Location:
+        """`sidecar`, for what reads or writes the crop-bbox sidecar."""
+        if self.sidecar is None:
+            raise ValueError("this layout has no crop-bbox sidecar location")
+        return self.sidecar
+
     def report_location(self, kind: str) -> Location:
         """Reports of one kind (`resized_512`, `resized_1024`, `crop_bbox`, `overlays`) under `reports`."""
         if self.reports is None:

@@ -35,8 +35,9 @@ def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sampl
     when an input cannot be read, LocationError when the pictures would land in a read-only
     location.
     """
-    sidecar_uri = layout.sidecar.child(rel)
-    with open_shard(layout.sidecar, rel, "sidecar", columns=[layout.key_column, *CROP_COLUMNS.values()]) as sidecar:
+    sidecar_location = layout.sidecar_location()
+    sidecar_uri = sidecar_location.child(rel)
+    with open_shard(sidecar_location, rel, "sidecar", columns=[layout.key_column, *CROP_COLUMNS.values()]) as sidecar:
         table = read_columns(sidecar, [layout.key_column, *CROP_COLUMNS.values()], sidecar_uri)
         recorded = SidecarReading.of(sidecar)
     keys = keys_or_nulls(table, layout.key_column)

@@ -8,6 +8,7 @@ an outcome to record, so one shard of a batch never stops the others.
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
@@ -222,11 +223,12 @@ class StoredOutputs:
     stages: Stages
     options: PipelineOptions
 
-    def changed(self, fingerprints: dict[str, str | None]) -> list[str]:
+    def changed(self, fingerprints: Mapping[str, str | None]) -> list[str]:
         """The outputs named in `fingerprints` ("resized_512", "crop_bbox") that are no longer the object
         with that fingerprint: one stat or HEAD each."""
         locations = {f"resized_{name}": o.location for name, o in self.layout.resized.items()}
-        locations["crop_bbox"] = self.layout.sidecar
+        if self.layout.sidecar is not None:
+            locations["crop_bbox"] = self.layout.sidecar
         return [
             name
             for name, value in fingerprints.items()

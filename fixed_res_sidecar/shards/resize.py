@@ -225,10 +225,11 @@ def _build(
             writer = pq.ParquetWriter(
                 tmp,
                 schema,
-                # WebP bytes do not compress: spend no CPU on them, zstd on the rest.
-                compression={name: "NONE" if name == image_column else "ZSTD" for name in schema.names},
-                use_dictionary=[key_column],
-                write_statistics=[key_column],
+                # WebP bytes do not compress: spend no CPU on them, zstd on the rest. (pyarrow has no type
+                # hints: a checker takes each parameter's type from its default, but all three take per-column values.)
+                compression={name: "NONE" if name == image_column else "ZSTD" for name in schema.names},  # pyright: ignore[reportArgumentType]
+                use_dictionary=[key_column],  # pyright: ignore[reportArgumentType]
+                write_statistics=[key_column],  # pyright: ignore[reportArgumentType]
                 write_page_checksum=True,  # readers verify every page they read (a damaged file fails)
             )
             stack.callback(writer.close)

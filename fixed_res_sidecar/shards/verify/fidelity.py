@@ -105,11 +105,11 @@ def check_fidelity(
     `shared`: what the shard's other resolution's check read and rendered (reused, added to)."""
     uri = output.location.child(rel)
     rendering, problem = recorded_rendering(stored.settings, output)
-    if problem:
+    if rendering is None:
         return CheckResult(FIDELITY, False, f"{uri}: {problem}: the expected images cannot be derived")
     rows = sorted(stored.images)
     keep = shared is not None and len(rows) <= SHARED_ROWS
-    if not keep:  # nothing kept: the renders of every row of a large sample would not fit
+    if shared is None or not keep:  # nothing kept: the renders of every row of a large sample would not fit
         shared = SharedRenders()
     unread = [row for row in rows if row not in shared.sources]
     if unread:
@@ -222,14 +222,17 @@ def write_fidelity_pictures(
         settings = read_settings(parquet_file)
         stored = read_rows(parquet_file, rows, [layout.image_column])
     rendering, problem = recorded_rendering(settings, output)
-    if problem:
+    if rendering is None:
         raise ShardError(f"{output.location.child(rel)}: {problem}")
     scoring = Scoring(rendering, min_score)
     sources = main_images(layout, rel, rows)
     written = []
     for entry in failing:
         row = entry["row"]
-        scored = scored_images(sources.get(row), image_bytes(stored[row][layout.image_column]), scoring)
+        stored_bytes = image_bytes(stored[row][layout.image_column])
+        if stored_bytes is None:  # no stored image: nothing to compare
+            continue
+        scored = scored_images(sources.get(row), stored_bytes, scoring)
         if isinstance(scored, str):
             continue
         result, expected, stored_image = scored

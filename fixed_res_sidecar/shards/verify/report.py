@@ -102,7 +102,8 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
 def failed_outputs(document: Mapping[str, Any]) -> dict[str, str | None]:
     """Shard URI -> the output fingerprint recorded when it was verified, for every resized shard that
     failed in a verifier report: one shard's report, or a `verify-resized --report` document."""
-    reports = document.get("shards") if isinstance(document.get("shards"), list) else [document]
+    shards = document.get("shards")
+    reports = shards if isinstance(shards, list) else [document]
     return {
         report["shard"]: (report.get("stats") or {}).get("output_fingerprint")
         for report in reports

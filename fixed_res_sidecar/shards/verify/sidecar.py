@@ -76,7 +76,8 @@ def verify_crop_bbox_shard(layout: DatasetLayout, rel: str, sample: int | None =
     `layout.bbox_keys` and `layout.caption_frame` default to what the sidecar shard recorded
     in its build settings (else SPEC 6's defaults); the report's stats say which were used.
     """
-    uri = layout.sidecar.child(rel)
+    sidecar_location = layout.sidecar_location()
+    uri = sidecar_location.child(rel)
     report = ShardReport(kind="crop_bbox", rel=rel, shard=uri)
     key_column = layout.key_column
     try:
@@ -85,7 +86,7 @@ def verify_crop_bbox_shard(layout: DatasetLayout, rel: str, sample: int | None =
         report.checks = not_checked(CROP_BBOX_CHECKS, problem)
         return report
     try:
-        with open_shard(layout.sidecar, rel, "sidecar") as parquet_file:
+        with open_shard(sidecar_location, rel, "sidecar") as parquet_file:
             rows = parquet_file.metadata.num_rows
             table = read_columns(parquet_file, [key_column, *CROP_COLUMNS.values(), META_COLUMN], uri)
             recorded = SidecarReading.of(parquet_file)
