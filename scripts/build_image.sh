@@ -19,7 +19,6 @@ ENGINE=${CONTAINER_ENGINE:-podman}
 IMAGE=${SIDECAR_IMAGE:-localhost/fixed-res-sidecar}
 CACHE=${SIDECAR_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fixed-res-sidecar}
 SUITE=bookworm  # its python3 is 3.11, the version the package needs
-LOCAL_BASE=localhost/sidecar-base:$SUITE-minbase
 PYTHON=${PYTHON:-python3}
 if [ "$ENGINE" = podman ]; then
     # runc and ulimits that this VM allows (deploy/containers.conf says why).
@@ -52,26 +51,37 @@ PY
 )
 
 # ---- 1. the base image
+# Apt as it is configured here: the Debian sources of this suite, and the files of Acquire settings
+# (proxy, Check-Valid-Until); they stay in the base (99mmdebstrap), so apt inside the build uses them too.
+# No manuals, docs or translations in the image (later apt installs obey the same dpkg filter).
 make_local_base() {
+    local sources=() aptopts=() file
+    for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+        [ -s "$file" ] || continue
+        if grep -vE '^\s*#' "$file" | grep -qE "(^|\s)$SUITE(-updates|-security)?(\s|$)"; then sources+=("$file"); fi
+    done
+    for file in /etc/apt/apt.conf /etc/apt/apt.conf.d/*; do
+        if [ -f "$file" ] && grep -q 'Acquire::' "$file"; then aptopts+=("--aptopt=$file"); fi
+    done
+    local options=(--variant=minbase --format=tar
+        --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*'
+        --dpkgopt='path-include=/usr/share/doc/*/copyright' --dpkgopt='path-exclude=/usr/share/info/*'
+        --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-include=/usr/share/locale/locale.alias'
+        "${aptopts[@]}")
+    # The base's recipe names its tarball and its tag: a changed apt setup makes a new base.
+    local recipe
+    recipe=$( (echo "$SUITE ${options[*]}"; cat "${sources[@]}" "${aptopts[@]#--aptopt=}" 2>/dev/null) | sha256sum | cut -c1-12)
+    LOCAL_BASE=localhost/sidecar-base:$SUITE-minbase-$recipe
     if [ "${REFRESH_BASE:-0}" != 1 ] && image_exists "$LOCAL_BASE"; then
         return
     fi
-    local tarball=$CACHE/debian-$SUITE-minbase.tar
+    local tarball=$CACHE/debian-$SUITE-minbase-$recipe.tar
     mkdir -p "$CACHE"
     if [ "${REFRESH_BASE:-0}" = 1 ] || [ ! -s "$tarball" ]; then
         command -v mmdebstrap >/dev/null || { log "mmdebstrap is missing (bash scripts/setup.sh installs it)"; exit 2; }
-        # Apt as it is configured here: the Debian sources of this suite, and the Acquire settings.
-        local sources=() aptopts=() file
-        for file in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
-            [ -s "$file" ] || continue
-            if grep -vE '^\s*#' "$file" | grep -qE "(^|\s)$SUITE(-updates|-security)?(\s|$)"; then sources+=("$file"); fi
-        done
-        for file in /etc/apt/apt.conf /etc/apt/apt.conf.d/*; do
-            if [ -f "$file" ] && grep -q 'Acquire::' "$file"; then aptopts+=("--aptopt=$file"); fi
-        done
         log "making the $SUITE base with mmdebstrap (sources: ${sources[*]:-the default Debian mirror}; ${#aptopts[@]} apt settings files)"
         local start=$SECONDS
-        mmdebstrap --quiet --variant=minbase --format=tar "${aptopts[@]}" "$SUITE" "$tarball.tmp" "${sources[@]}"
+        mmdebstrap --quiet "${options[@]}" "$SUITE" "$tarball.tmp" "${sources[@]}"
         mv "$tarball.tmp" "$tarball"
         log "base tarball: $tarball ($(du -h "$tarball" | cut -f1), $((SECONDS - start)) s)"
     fi
