@@ -14,10 +14,8 @@ CODECS = ("webp", "jpg", "zlib", "littlecms2", "libtiff", "freetype2")
 COMMANDS = ("sidecar-ops", "dagster", "ray")
 
 problems = [f"pillow-simd has no {name} support" for name in CODECS if not PIL.features.check(name)]
-try:
-    problems.append(f"plain Pillow {metadata.version('Pillow')} is installed and shadows pillow-simd")
-except metadata.PackageNotFoundError:
-    pass
+if any(d.metadata["Name"].lower() == "pillow" for d in metadata.distributions()):
+    problems.append("plain Pillow is installed and shadows pillow-simd")
 commands = sys.argv[1:] or COMMANDS
 problems += [f"{command} is not on PATH" for command in commands if shutil.which(command) is None]
 if problems:

@@ -138,7 +138,16 @@ def test_a_plain_install_without_extras_runs_in_a_clean_venv(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    install = [str(python), "-m", "pip", "install", "-q", "--no-compile", str(_pillow_simd_wheel(tmp_path)), str(source)]
+    install = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-compile",
+        str(_pillow_simd_wheel(tmp_path)),
+        str(source),
+    ]
     installed = subprocess.run(install, capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
 
