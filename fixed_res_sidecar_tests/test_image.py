@@ -89,11 +89,24 @@ def shared_folder(tmp_path: Path) -> Path:
     return folder
 
 
+def readable_by_all(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        os.chmod(folder, 0o755)
+        for file in files:
+            os.chmod(os.path.join(folder, file), 0o644)
+
+
 def test_the_image_has_its_commands_and_every_codec_and_runs_as_a_user(image, container_names):
     checked = run_in(image, container_names(), "python3", "/opt/sidecar/check_image.py")
     assert checked.returncode == 0, checked.stderr
     assert "image check: ok" in checked.stdout
-    who = run_in(image, container_names(), "sh", "-c", "id -u; command -v sidecar-ops dagster ray rsync; python3 -V")
+    who = run_in(
+        image,
+        container_names(),
+        "sh",
+        "-c",
+        "id -u; for c in sidecar-ops dagster ray rsync; do command -v $c; done; python3 -V",
+    )
     assert who.returncode == 0, who.stderr
     uid, *paths, version = who.stdout.split("\n")[:-1]
     assert uid != "0" and len(paths) == 4 and version.startswith("Python 3.11"), who.stdout
@@ -116,6 +129,7 @@ def test_the_demo_runs_inside_the_image(image, container_names, tmp_path):
 def test_build_both_runs_inside_the_image_on_a_local_dataset(image, container_names, tmp_path, sample_main_template):
     data = shared_folder(tmp_path)
     shutil.copytree(sample_main_template, data / "main")
+    readable_by_all(data / "main")  # the session's temporary folders are the test user's alone
     built = run_in(
         image, container_names(), "sidecar-ops", "build-both", "--main-prefix", "/data/main",
         "--output-prefix-512", "/data/512", "--output-prefix-1024", "/data/1024", mount=data,
@@ -132,34 +146,54 @@ def _certificates(pem: bytes) -> set[bytes]:
     return {b"".join(block.split()) for block in blocks}
 
 
-def test_the_image_holds_no_secret_of_its_build(image, container_names):
-    """The CA bundle pip trusted in the build is not in any layer of the image, in whole or any of the
-    certificates it has beyond Debian's own; nor does the image's configuration point at a secret."""
+def _secret_needles(image: dict, container_names) -> list[bytes]:
+    """What would show the build's CA bundle in a layer: the bundle (newlines dropped) and, for each of
+    this machine's own certificates in it (those beyond Debian's public ones), a piece of its body."""
     bundle = image["ca"].read_bytes()
-    debian = run_in(image, container_names(), "sh", "-c", "cat /usr/share/ca-certificates/mozilla/*.crt")
+    debian = run_in(image, container_names(), "sh", "-c", "cat /usr/share/ca-certificates/*/*.crt")
     assert debian.returncode == 0, debian.stderr
-    local_certificates = _certificates(bundle) - _certificates(debian.stdout.encode())
-    # A PEM file wraps base64 at 64 characters: look for the second and third lines of each body.
-    needles = [body[64:192] for body in local_certificates if len(body) > 192]
-    if bundle:
-        needles.append(bundle)
+    public = _certificates(debian.stdout.encode())
+    for path in Path("/usr/share/ca-certificates").rglob("*.crt"):  # this machine's copy of Debian's
+        public |= _certificates(path.read_bytes())
+    # A PEM file wraps base64 at 64 characters: the second and third lines of each body.
+    needles = [body[64:192] for body in _certificates(bundle) - public if len(body) > 192]
+    return [*needles, bundle.replace(b"\n", b"")] if bundle else needles
 
+
+def _files_holding(tag: str, needles: list[bytes]) -> list[str]:
+    """The files, in any layer of the image `tag` (also those a later layer deletes), holding a needle."""
     layers = podman(
-        "image", "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}:{{.GraphDriver.Data.LowerDir}}", image["tag"]
+        "image", "inspect", "--format", "{{.GraphDriver.Data.UpperDir}}:{{.GraphDriver.Data.LowerDir}}", tag
     )
     found = []
     for layer in filter(None, layers.stdout.strip().split(":")):
         for folder, _, files in os.walk(layer):
             for file in files:
                 path = os.path.join(folder, file)
-                if not os.path.isfile(path) or os.path.islink(path):
-                    continue
-                with open(path, "rb") as handle:
-                    content = handle.read()
-                text = content.replace(b"\n", b"")
-                found += [path for needle in needles if needle.replace(b"\n", b"") in text]
-    assert not found, found
+                if os.path.isfile(path) and not os.path.islink(path):
+                    with open(path, "rb") as handle:
+                        text = handle.read().replace(b"\n", b"")
+                    found += [path for needle in needles if needle in text]
+    return found
+
+
+def test_the_image_holds_no_secret_of_its_build(image, container_names, tmp_path):
+    needles = _secret_needles(image, container_names)
+    assert needles
+    assert not _files_holding(image["tag"], needles)
     config = podman("image", "inspect", "--format", "{{json .Config.Env}} {{json .Config.Labels}}", image["tag"]).stdout
     assert "/run/secrets" not in config and "PIP_CERT" not in config and "PIP_CONFIG_FILE" not in config, config
     history = podman("history", "--no-trunc", "--format", "{{.CreatedBy}}", image["tag"]).stdout
     assert "BEGIN CERTIFICATE" not in history
+
+    # The scan sees a bundle copied into a layer, even one that a later layer deletes.
+    (tmp_path / "ca.pem").write_bytes(image["ca"].read_bytes())
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {image['tag']}\nCOPY ca.pem /tmp/ca.pem\nUSER root\nRUN rm /tmp/ca.pem\n"
+    )
+    leaky = f"localhost/sidecar-test-leak:{uuid.uuid4().hex[:10]}"
+    try:
+        podman("build", "--pull=never", "--network", "none", "-t", leaky, str(tmp_path), timeout=300)
+        assert _files_holding(leaky, needles)
+    finally:
+        podman("image", "rm", "--force", leaky, check=False)

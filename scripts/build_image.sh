@@ -106,21 +106,23 @@ base_id=$("$ENGINE" image inspect --format '{{.Id}}' "$BASE_IMAGE" 2>/dev/null |
 KEY=$( (cd "$CONTEXT" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum; echo "$base_id") | sha256sum | cut -c1-16)
 TAG=$IMAGE:$KEY
 
+# pip's settings for the build: the CA bundle it trusts, and its index URLs that a build can reach.
+CA=${SIDECAR_CA_BUNDLE:-}
+if [ -z "$CA" ]; then
+    CA=$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)
+fi
+for candidate in "$CA" "${PIP_CERT:-}" "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt /dev/null; do
+    if [ -f "$candidate" ] || [ "$candidate" = /dev/null ]; then CA=$candidate; break; fi
+done
+log "pip trusts $CA; the image key is $KEY"
+
 if image_exists "$TAG"; then
     log "$TAG is already built from these inputs"
 else
-    # pip's settings for the build: the CA bundle it trusts, and its index URLs that a build can reach.
-    CA=${SIDECAR_CA_BUNDLE:-}
-    if [ -z "$CA" ]; then
-        CA=$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)
-    fi
-    for candidate in "$CA" "${PIP_CERT:-}" "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt /dev/null; do
-        if [ -f "$candidate" ] || [ "$candidate" = /dev/null ]; then CA=$candidate; break; fi
-    done
     PIP_CONF=$WORK/pip.conf
     "$PYTHON" -m pip config list 2>/dev/null | "$PYTHON" -c "$PIP_CONF_PY" >"$PIP_CONF"
     chmod 600 "$PIP_CONF"
-    log "building $TAG from $BASE_IMAGE (pip trusts $CA; index settings: $(grep -c = "$PIP_CONF" || true))"
+    log "building $TAG from $BASE_IMAGE (pip index settings: $(grep -c = "$PIP_CONF" || true))"
     start=$SECONDS
     "$ENGINE" build --network host "${PULL[@]}" \
         --build-arg "BASE_IMAGE=$BASE_IMAGE" \
