@@ -52,12 +52,11 @@ from benchmarks.dagster_scale_metrics import (
     tick_summary,
     timed,
 )
-from fixed_res_sidecar.defs.audit import audit_dataset, update_state
-from fixed_res_sidecar.defs.audit import load_state as load_audit_state
 from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN, load_config
+from fixed_res_sidecar.defs.dataset_audit import audit_dataset, load_audit_state, update_state
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import read_ledger, read_ledgers
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CODE_MODULE,
@@ -422,7 +421,11 @@ class ScaleBench:
     def ui_queries(self, big_backfill: str, small_backfill: str) -> dict[str, dict[str, Any]]:
         """The UI pages' queries through the webserver's /graphql endpoint, median of `repeats`."""
         keys, meta = self.keys, DatasetKeys(METADATA)
-        scale_assets = [keys.main, *(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS)]
+        scale_assets = [
+            keys.main,
+            *(keys.resized(r) for r in RESOLUTION_NAMES),
+            *(keys.verify(r) for r in RESOLUTION_NAMES),
+        ]
         asks = {
             "asset partitions page": [
                 (f"{keys.resized('512').to_user_string()}", {"assetKey": _key(keys.resized("512"))}),

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import chunks
 from fixed_res_sidecar.defs.sensors import Discovery, main_events
 from fixed_res_sidecar.sample_data import sample_shard_table

@@ -31,7 +31,7 @@ import yaml
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.config import DatasetConfig, load_config
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
 
 # The local instance settings (dagster.yaml) ship inside the package, next to the definitions.
@@ -183,7 +183,7 @@ def _check_statuses(instance, defs, dataset: DatasetConfig, rels: list[str]) -> 
     from fixed_res_sidecar.defs.history import check_statuses
 
     keys = DatasetKeys(dataset.name)
-    asset_keys = {keys.verify(r) for r in RESOLUTIONS} | {keys.crop_bbox}
+    asset_keys = {keys.verify(r) for r in RESOLUTION_NAMES} | {keys.crop_bbox}
     check_keys = [k for k in defs.resolve_asset_graph().asset_check_keys if k.asset_key in asset_keys]
     return check_statuses(instance, check_keys, rels)
 
@@ -195,13 +195,17 @@ def finished_shards(instance, dataset: DatasetConfig, rels: list[str], statuses:
     """
     keys = DatasetKeys(dataset.name)
     done = set(rels)
-    for key in (*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox):
+    for key in (
+        *(keys.resized(r) for r in RESOLUTION_NAMES),
+        *(keys.verify(r) for r in RESOLUTION_NAMES),
+        keys.crop_bbox,
+    ):
         done &= instance.get_materialized_partitions(key)
     passed: dict[str, bool] = {}
     for (_, shard), status in statuses.items():
         passed[shard] = passed.get(shard, True) and status == "SUCCEEDED"
     done = {rel for rel in done if passed.get(rel, False)}
-    for name in (*(f"resized_{r}" for r in RESOLUTIONS), "crop_bbox"):
+    for name in (*(f"resized_{r}" for r in RESOLUTION_NAMES), "crop_bbox"):
         if not done:
             break
         done &= set(dataset.output(name).list_shards())
@@ -274,7 +278,7 @@ def _collect(
     summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str], totals: dict[str, Any]
 ) -> None:
     """Rows per resolution from the dataset audit's totals; check results per shard from the instance."""
-    for resolution in RESOLUTIONS:
+    for resolution in RESOLUTION_NAMES:
         errors = {code: totals.get(f"{resolution}_invalid_{code}", 0) for code in ERROR_CODES}
         summary.rows[resolution] = {
             "audit_prefix": dataset.resized(resolution).audit_prefix,

@@ -8,7 +8,7 @@ import dagster as dg
 from fixed_res_sidecar import demo
 from fixed_res_sidecar.cli import main as cli_main
 from fixed_res_sidecar.defs.config import parse_config
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.demo import demo_config
 
 

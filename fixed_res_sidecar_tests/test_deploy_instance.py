@@ -24,8 +24,8 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG
 from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import RESTATED_FROM_RUN, read_ledger
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.ledger import Action
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
@@ -68,13 +68,13 @@ def partitioned_check_keys(config: SidecarConfig) -> list[dg.AssetCheckKey]:
 
 def shard_asset_keys(name: str) -> list[dg.AssetKey]:
     keys = DatasetKeys(name)
-    return [*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox]
+    return [*(keys.resized(r) for r in RESOLUTION_NAMES), *(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox]
 
 
 def output_asset_keys(name: str) -> list[dg.AssetKey]:
     """The assets that write a shard's outputs (the verifiers only read them)."""
     keys = DatasetKeys(name)
-    return [*(keys.resized(r) for r in RESOLUTIONS), keys.crop_bbox]
+    return [*(keys.resized(r) for r in RESOLUTION_NAMES), keys.crop_bbox]
 
 
 def built_by(instance, key: dg.AssetKey, rel: str) -> list[str]:
@@ -428,7 +428,7 @@ def test_a_storage_outage_mid_run_leaves_no_built_shard_unrecorded(private_dagst
         assert_shards_complete(instance, config, {"outage": shards})
         assert_outputs_whole(config.dataset("outage"), shards)
         # ...on the outputs now in storage: nothing built after what is on record.
-        everything = Stages(resize=RESOLUTIONS, verify=RESOLUTIONS, crop=True)
+        everything = Stages(resize=RESOLUTION_NAMES, verify=RESOLUTION_NAMES, crop=True)
         dataset = config.dataset("outage")
         options = PipelineOptions(pixels=dataset.pixel_options())
         for rel in shards:

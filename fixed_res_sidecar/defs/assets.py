@@ -19,7 +19,7 @@
   results restated (footers read, nothing else), so every shard of a run is recorded whole, as if
   it had a run of its own. A shard that fails (a failed check, a refused crop, storage) fails the
   run, which names it alone; a shard no longer in main is skipped with an observation.
-- `audit`: the dataset audit (defs/audit.py), one per dataset.
+- `audit`: the dataset audit (defs/dataset_audit.py), one per dataset.
 
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
 """
@@ -34,7 +34,6 @@ import dagster as dg
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.overlay import embeddable
-from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.checks import (
     audit_check_results,
     check_evaluations,
@@ -47,6 +46,7 @@ from fixed_res_sidecar.defs.checks import (
     target_data,
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.history import (
     RESTATED_FROM_ID,
     RESTATED_FROM_RUN,
@@ -58,8 +58,8 @@ from fixed_res_sidecar.defs.history import (
     retry_run_on_failure,
     wait_for_storage,
 )
-from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.ledger import CHECKS, Action, CheckState, Decision, ShardLedger
+from fixed_res_sidecar.defs.names import REBUILD_FAILED_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -115,7 +115,7 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
             code_version=RESIZE_CODE_VERSION,
             **common,
         )
-        for r in RESOLUTIONS
+        for r in RESOLUTION_NAMES
     ]
     specs += [
         dg.AssetSpec(
@@ -129,12 +129,12 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
             kinds={"json"},
             **common,
         )
-        for r in RESOLUTIONS
+        for r in RESOLUTION_NAMES
     ]
     specs.append(
         dg.AssetSpec(
             keys.crop_bbox,
-            deps=[*(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS)],
+            deps=[*(keys.resized(r) for r in RESOLUTION_NAMES), *(keys.verify(r) for r in RESOLUTION_NAMES)],
             automation_condition=CROP_BBOX_CONDITION,
             description=(
                 "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
@@ -151,7 +151,7 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
 
 def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> dg.AssetsDefinition:
     keys = DatasetKeys(dataset.name)
-    check_specs = [spec for r in RESOLUTIONS for spec in resized_check_specs(keys, r, partitions)]
+    check_specs = [spec for r in RESOLUTION_NAMES for spec in resized_check_specs(keys, r, partitions)]
     check_specs += crop_check_specs(keys, partitions)
 
     # One multi-asset: its outputs and check results are optional (a refused shard emits neither),
@@ -239,8 +239,8 @@ def _per_shard_check_results(record: logging.LogRecord) -> bool:
 
 def selected_stages(keys: DatasetKeys, selected: set[dg.AssetKey]) -> Stages:
     return Stages(
-        resize=tuple(r for r in RESOLUTIONS if keys.resized(r) in selected),
-        verify=tuple(r for r in RESOLUTIONS if keys.verify(r) in selected),
+        resize=tuple(r for r in RESOLUTION_NAMES if keys.resized(r) in selected),
+        verify=tuple(r for r in RESOLUTION_NAMES if keys.verify(r) in selected),
         crop=keys.crop_bbox in selected,
     )
 
@@ -482,7 +482,7 @@ def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
         # Not on main directly: main's shards carry data versions that Dagster cannot carry into an
         # unpartitioned asset, so the audit would read Unsynced forever after any change of main.
         # It follows main through the outputs, which are rebuilt when main changes.
-        deps=[*(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox],
+        deps=[*(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox],
         group_name=keys.group,
         check_specs=dataset_audit_check_specs(keys),
         description=(

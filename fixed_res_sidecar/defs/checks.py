@@ -12,7 +12,7 @@ to Dagster and turns a `ShardReport` into check results:
 - `<dataset>/crop_bbox` carries the sidecar checks (columns, keys, boxes, meta against the
   audits).
 - `<dataset>/audit` carries `dataset_audit` (failed shards, ERROR) and `dataset_complete` (work left,
-  WARN): the verdicts of the dataset audit (defs/audit.py).
+  WARN): the verdicts of the dataset audit (defs/dataset_audit.py).
 """
 
 import json
@@ -24,7 +24,7 @@ import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.dagster_private import AssetCheckEvaluationTargetMaterializationData
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
@@ -224,7 +224,7 @@ def dataset_audit_check_specs(keys: DatasetKeys) -> list[dg.AssetCheckSpec]:
             DATASET_AUDIT_CHECK,
             asset=keys.audit,
             description=(
-                "The dataset audit (defs/audit.py): fails when a shard's latest blocking check failed or a finished "
+                "The dataset audit (defs/dataset_audit.py): fails when a shard's latest blocking check failed or a finished "
                 "shard lacks its crop_bbox (or has one older than its verification)."
             ),
         ),

@@ -1,7 +1,8 @@
 """The Dagster definitions of the datasets of a datasets file (`definitions.py` loads them).
 
 Per dataset (see `dataset_definitions`): its assets and checks, one shard job (what the
-discovery sensor requests and what a UI backfill of the job runs, one run per shard), the
+discovery sensor requests and what a UI backfill of the job runs, one run per batch of up to
+`shards_per_run` shards), the
 audit job and its hourly schedule, the discovery sensor and the automation sensor.
 Everything runs in process: shard steps are few and sequential, and on small machines the
 multiprocess executor costs seconds per step.
@@ -11,7 +12,7 @@ import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
-from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
 from fixed_res_sidecar.defs.resources import default_resources
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
@@ -23,7 +24,7 @@ AUDIT_CRON = "0 * * * *"  # hourly; the audit reads only the events recorded sin
 def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:
     """Everything built per shard (main is external and never part of a run)."""
     return dg.AssetSelection.assets(
-        *(keys.resized(r) for r in RESOLUTIONS), *(keys.verify(r) for r in RESOLUTIONS), keys.crop_bbox
+        *(keys.resized(r) for r in RESOLUTION_NAMES), *(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox
     )
 
 
@@ -37,8 +38,8 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         # `tags`, not `run_tags`: job backfills copy the job's tags onto every run they create.
         tags=dataset_run_tags(dataset),
         description=(
-            f"Resize, verify and crop one shard of {dataset.name} (one run per shard/partition). "
-            "Backfill it from the UI to build many shards."
+            f"Resize, verify and crop shards of {dataset.name}: each run takes a batch of up to "
+            f"{dataset.shards_per_run} shards (partitions). Backfill it from the UI to build many shards."
         ),
     )
     audit_job = dg.define_asset_job(

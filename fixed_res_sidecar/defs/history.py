@@ -34,7 +34,7 @@ from fixed_res_sidecar.defs.dagster_private import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.retry import RetryPolicy, StorageError, first_line, retry_call
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import dagster as dg
 
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 
 # Adding keys in chunks keeps each storage write bounded (DAGSTER_NOTES: <= 10k at a time).
 ADD_CHUNK = 10_000

@@ -53,7 +53,7 @@ def tags_for(run: dg.DagsterRun) -> dict[str, str]:
     keys = [*(run.asset_selection or ()), *(check.asset_key for check in run.asset_check_selection or ())]
     names = {key.path[0] for key in keys if len(key.path) == 2}
     if not keys and "__" in run.job_name and not run.job_name.startswith("__"):
-        names = {run.job_name.split("__", 1)[0]}  # a whole job of a dataset, `<dataset>__shard`
+        names = {run.job_name.split("__", 1)[0]}  # a whole job of a dataset, `<dataset>__build_shards`
     if len(names) != 1:
         return {}
     (name,) = names

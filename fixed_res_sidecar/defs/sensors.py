@@ -36,7 +36,7 @@ from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import (
     add_requests,
     partition_key_problem,

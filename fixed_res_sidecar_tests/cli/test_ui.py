@@ -25,7 +25,7 @@ from fixed_res_sidecar import demo
 from fixed_res_sidecar.defs.config import load_config
 from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.sensors import AUTOMATION_INTERVAL_SECONDS
 from fixed_res_sidecar_tests.defs.conftest import QUIET, swap_two_keys
 from fixed_res_sidecar_tests.fixtures.processes import describe, family

@@ -9,9 +9,9 @@ import pytest
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
-from fixed_res_sidecar.defs.audit import audit_dataset
+from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.names import REBUILD_FAILED_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -32,8 +32,10 @@ from fixed_res_sidecar_tests.fixtures.datasets import column
 from fixed_res_sidecar_tests.fixtures.faulty_s3 import every_object_get, no_get
 
 KEYS = DatasetKeys("tiny")
-ALL_ASSETS = {*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS), KEYS.crop_bbox}
-RESIZED_CHECK_KEYS = [dg.AssetCheckKey(KEYS.verify(r), name) for r in RESOLUTIONS for name in verify.RESIZED_CHECKS]
+ALL_ASSETS = {*(KEYS.resized(r) for r in RESOLUTION_NAMES), *(KEYS.verify(r) for r in RESOLUTION_NAMES), KEYS.crop_bbox}
+RESIZED_CHECK_KEYS = [
+    dg.AssetCheckKey(KEYS.verify(r), name) for r in RESOLUTION_NAMES for name in verify.RESIZED_CHECKS
+]
 
 
 def materialized(result: dg.ExecuteInProcessResult) -> set[dg.AssetKey]:
@@ -56,15 +58,15 @@ def test_graph_shape():
     assert set(graph.get(KEYS.resized("512")).parent_keys) == {KEYS.main}
     assert set(graph.get(KEYS.verify("1024")).parent_keys) == {KEYS.resized("1024")}
     assert set(graph.get(KEYS.crop_bbox).parent_keys) == {
-        *(KEYS.resized(r) for r in RESOLUTIONS),
-        *(KEYS.verify(r) for r in RESOLUTIONS),
+        *(KEYS.resized(r) for r in RESOLUTION_NAMES),
+        *(KEYS.verify(r) for r in RESOLUTION_NAMES),
     }
     assert graph.get(KEYS.main).is_external and not graph.get(KEYS.main).is_materializable
     # One multi-asset (one decode) holds both resolutions and can be subset.
     resized = graph.assets_def_for_key(KEYS.resized("512"))
     assert resized is graph.assets_def_for_key(KEYS.resized("1024")) and resized.can_subset
     assert graph.get(KEYS.crop_bbox).automation_condition == CROP_BBOX_CONDITION
-    for resolution in RESOLUTIONS:
+    for resolution in RESOLUTION_NAMES:
         checks = [graph.get(k) for k in graph.asset_check_keys if k.asset_key == KEYS.verify(resolution)]
         assert sorted(c.key.name for c in checks) == sorted(verify.RESIZED_CHECKS)
         assert all(c.blocking for c in checks)
@@ -76,7 +78,7 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
     assert register(instance, tiny_config) == sorted(TINY_SHARDS)
     rel, other = "nested/x/part-b.parquet", "part-a.parquet"
 
-    result = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    result = run_shard(tiny_defs, instance, "tiny__build_shards", rel)
     assert result.success
     assert materialized(result) == ALL_ASSETS
 
@@ -117,7 +119,7 @@ def test_one_shard_end_to_end_locally(tiny_config, tiny_defs, instance):
 
     # A second run of the shard builds nothing (its outputs are up to date) and restates its results:
     # the same materializations again, each saying which run made it.
-    again = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    again = run_shard(tiny_defs, instance, "tiny__build_shards", rel)
     assert again.success and all(restated(again, key) == result.run_id for key in materialized(result))
     assert all(e.passed and "restated_from_run" in e.metadata for e in again.get_asset_check_evaluations())
 
@@ -135,13 +137,13 @@ def test_a_long_shard_name_is_built_and_one_whose_report_cannot_be_named_is_refu
     dataset, defs = config.datasets[0], build_definitions(config)
     register(instance, config)
 
-    built = run_shard(defs, instance, "tiny__shard", long)
+    built = run_shard(defs, instance, "tiny__build_shards", long)
     assert built.success and materialized(built) == ALL_ASSETS
     for what in ("resized_512", "resized_1024", "crop_bbox"):
         report = json.loads(dataset.layout.report_location(what).read_bytes(verify.report_rel(long)))
         assert report["passed"] and report["rel"] == long
 
-    refused = run_shard(defs, instance, "tiny__shard", too_long)
+    refused = run_shard(defs, instance, "tiny__build_shards", too_long)
     assert not refused.success and not materialized(refused)
     (failure,) = [e for e in refused.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     message = failure.event_specific_data.error.to_string()
@@ -157,7 +159,7 @@ def test_one_shard_end_to_end_on_s3(s3_env, s3_bucket, instance):
     defs = build_definitions(config)
     assert register(instance, config) == ["a/part-0.parquet"]
 
-    result = run_shard(defs, instance, "tiny__shard", "a/part-0.parquet")
+    result = run_shard(defs, instance, "tiny__build_shards", "a/part-0.parquet")
     assert result.success and materialized(result) == ALL_ASSETS
     assert all(e.passed for e in result.get_asset_check_evaluations())
     dataset = config.datasets[0]
@@ -181,7 +183,7 @@ def test_one_shard_end_to_end_on_s3(s3_env, s3_bucket, instance):
 
 def test_one_resolution_can_be_built_alone(tiny_config, tiny_defs, instance):
     register(instance, tiny_config)
-    result = run_shard(tiny_defs, instance, "tiny__shard", "part-a.parquet", selection=[KEYS.resized("1024")])
+    result = run_shard(tiny_defs, instance, "tiny__build_shards", "part-a.parquet", selection=[KEYS.resized("1024")])
     assert result.success and materialized(result) == {KEYS.resized("1024")}
     dataset = tiny_config.datasets[0]
     assert dataset.output("resized_1024").exists("part-a.parquet")
@@ -192,7 +194,9 @@ def test_the_datasets_run_memory_bounds_its_decoded_images(tiny_main, tmp_path, 
     """run_resources.memory_gb is the decode budget's source in Dagster, as --task-memory-gb on the CLI."""
     config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", run_resources={"memory_gb": 0.0001}))
     register(instance, config)
-    result = run_shard(build_definitions(config), instance, "tiny__shard", "part-a.parquet", [KEYS.resized("512")])
+    result = run_shard(
+        build_definitions(config), instance, "tiny__build_shards", "part-a.parquet", [KEYS.resized("512")]
+    )
     assert result.success
     metadata = metadata_of(result, KEYS.resized("512"))
     # Every image alone needs more than half of 0.0001 GiB: too_large, never decoded; the null image stays missing.
@@ -205,7 +209,7 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     main.write_bytes("broken.parquet", b"this is not parquet")
     config = make_config(dataset_entry("tiny", main, tmp_path / "out"))
     register(instance, config)
-    result = run_shard(build_definitions(config), instance, "tiny__shard", "broken.parquet")
+    result = run_shard(build_definitions(config), instance, "tiny__build_shards", "broken.parquet")
     assert not result.success  # its blocking checks failed
     failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
     assert len(failed) == 10 and all(e.partition == "broken.parquet" for e in failed)
@@ -242,14 +246,14 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     register(instance, tiny_config)
     automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance)  # the daemon's first tick
 
-    resized, verifiers = [KEYS.resized(r) for r in RESOLUTIONS], [KEYS.verify(r) for r in RESOLUTIONS]
+    resized, verifiers = [KEYS.resized(r) for r in RESOLUTION_NAMES], [KEYS.verify(r) for r in RESOLUTION_NAMES]
     for rel in (good, bad):
-        assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=resized).success
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=resized).success
     swap_two_keys(dataset.output("resized_512"), bad)  # same rows and settings: skip-existing keeps it
 
     # Verify both shards in runs without crop_bbox: the damaged one fails its blocking check.
-    assert run_shard(tiny_defs, instance, "tiny__shard", good, selection=verifiers).success
-    failed_run = run_shard(tiny_defs, instance, "tiny__shard", bad, selection=verifiers)
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", good, selection=verifiers).success
+    failed_run = run_shard(tiny_defs, instance, "tiny__build_shards", bad, selection=verifiers)
     assert not failed_run.success
     failed = [(e.asset_key, e.check_name) for e in failed_run.get_asset_check_evaluations() if not e.passed]
     assert failed == [(KEYS.verify("512"), verify.KEYS_MATCH)]
@@ -265,9 +269,9 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert automation.total_requested == 1  # nothing else: the verifiers ran after their inputs
 
     # In the same run: the whole shard job; the damaged shard stops at its verifier.
-    bad_run = run_shard(tiny_defs, instance, "tiny__shard", bad)
+    bad_run = run_shard(tiny_defs, instance, "tiny__build_shards", bad)
     assert "keys_match" in refusal(bad_run, bad)  # no crop_bbox, and why
-    good_run = run_shard(tiny_defs, instance, "tiny__shard", good)
+    good_run = run_shard(tiny_defs, instance, "tiny__build_shards", good)
     assert good_run.success and KEYS.crop_bbox in materialized(good_run)
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {good}
     assert dataset.output("crop_bbox").exists(good) and not dataset.output("crop_bbox").exists(bad)
@@ -275,7 +279,7 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     # Afterwards automation still does not build it, and a run of crop_bbox alone is refused.
     automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance, cursor=automation.cursor)
     assert automation.get_requested_partitions(KEYS.crop_bbox) == set() and automation.total_requested == 0
-    alone = run_shard(tiny_defs, instance, "tiny__shard", bad, selection=[KEYS.crop_bbox])
+    alone = run_shard(tiny_defs, instance, "tiny__build_shards", bad, selection=[KEYS.crop_bbox])
     message = refusal(alone, bad)
     assert "gated on the verifiers" in message and "verify_512:keys_match failed" in message
     assert not dataset.output("crop_bbox").exists(bad)
@@ -290,11 +294,11 @@ def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_rest
     the build order, so crop_bbox is restated too, not rebuilt, and the audit does not call it stale."""
     rel = "part-a.parquet"
     register(instance, tiny_config)
-    built = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    built = run_shard(tiny_defs, instance, "tiny__build_shards", rel)
     assert built.success
-    verified = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.verify("1024")])
+    verified = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.verify("1024")])
     assert verified.success and restated(verified, KEYS.verify("1024")) == built.run_id
-    cropped = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    cropped = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.crop_bbox])
     assert cropped.success and restated(cropped, KEYS.crop_bbox) == built.run_id
     audit = audit_dataset(instance, KEYS)
     assert audit.crop_stale == [] and audit.crop_missing == []
@@ -304,17 +308,17 @@ def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverifi
     dataset = tiny_config.datasets[0]
     rel = "part-a.parquet"
     register(instance, tiny_config)
-    assert run_shard(tiny_defs, instance, "tiny__shard", rel).success  # built, verified, cropped
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success  # built, verified, cropped
     crop = dataset.output("crop_bbox")
     crop_mtime = Path(crop.child(rel)).stat().st_mtime_ns
 
     # resized_512 is materialised again, without its verifier: the verifier's checks still read
     # "succeeded", but they are about the previous build.
-    assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.resized("512")]).success
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.resized("512")]).success
     statuses = check_partition_status(instance, RESIZED_CHECK_KEYS, [rel])
     assert set(statuses.values()) == {"SUCCEEDED"}
 
-    alone = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    alone = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.crop_bbox])
     message = refusal(alone, rel)
     assert "gated on the verifiers" in message
     assert "its 512 output was built again" in message and "after it was verified" in message
@@ -322,8 +326,8 @@ def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverifi
     assert Path(crop.child(rel)).stat().st_mtime_ns == crop_mtime  # the sidecar was not touched
 
     # Once the verifier ran on the current build, crop_bbox alone goes through.
-    assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")]).success
-    again = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.verify("512")]).success
+    again = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.crop_bbox])
     assert again.success and materialized(again) == {KEYS.crop_bbox}
 
 
@@ -345,7 +349,7 @@ def run_batch(defs: dg.Definitions, instance, first: str, last: str) -> dg.Execu
     """A run of the shard job over the partitions first..last (in the order they were added)."""
     from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-    return defs.resolve_job_def("tiny__shard").execute_in_process(
+    return defs.resolve_job_def("tiny__build_shards").execute_in_process(
         instance=instance,
         raise_on_error=False,
         run_config=QUIET,
@@ -368,7 +372,7 @@ def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path
     with dg.instance_for_test() as instance:
         register(instance, config)
         order = instance.get_dynamic_partitions("tiny_shards")
-        assert run_shard(defs, instance, "tiny__shard", damaged, selection=[KEYS.resized("512")]).success
+        assert run_shard(defs, instance, "tiny__build_shards", damaged, selection=[KEYS.resized("512")]).success
         swap_two_keys(dataset.output("resized_512"), damaged)  # same rows and settings: skip-existing keeps it
 
         batch = run_batch(defs, instance, order[0], order[-1])
@@ -382,7 +386,7 @@ def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path
     with dg.instance_for_test() as single:
         register(single, config)
         for rel in shards:
-            run_shard(defs, single, "tiny__shard", rel)
+            run_shard(defs, single, "tiny__build_shards", rel)
         assert check_partition_status(single, ALL_CHECK_KEYS, shards) == batch_statuses
     good = {(k.to_user_string(), rel): "SUCCEEDED" for k in ALL_CHECK_KEYS for rel in shards if rel != damaged}
     assert {key: status for key, status in batch_statuses.items() if key[1] != damaged} == good
@@ -425,10 +429,12 @@ def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_resu
     config = make_config(dataset_entry("tiny", main, f"s3://{s3_bucket}/lake/out"))
     defs = build_definitions(config)
     register(instance, config)
-    assert run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.resized(r) for r in RESOLUTIONS]).success
+    assert run_shard(
+        defs, instance, "tiny__build_shards", rel, selection=[KEYS.resized(r) for r in RESOLUTION_NAMES]
+    ).success
 
     faulty_s3.inject(every_object_get)
-    result = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
+    result = run_shard(defs, instance, "tiny__build_shards", rel, selection=[KEYS.verify("512")])
     assert not result.success and not materialized(result)
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert "StorageError: storage failed reading s3://" in failure.event_specific_data.error.to_string()
@@ -438,11 +444,15 @@ def test_storage_that_keeps_failing_fails_the_verifier_step_without_a_check_resu
     assert retried_on_failure(instance, result) == "true"  # not the data's failure: run retries redo it
 
     faulty_s3.inject(no_get)  # storage is back: a rerun gives the verdict
-    rerun = run_shard(defs, instance, "tiny__shard", rel, selection=[KEYS.verify("512")])
+    rerun = run_shard(defs, instance, "tiny__build_shards", rel, selection=[KEYS.verify("512")])
     assert rerun.success and all(e.passed for e in rerun.get_asset_check_evaluations())
 
 
-SHARD_ASSETS = [*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS), KEYS.crop_bbox]
+SHARD_ASSETS = [
+    *(KEYS.resized(r) for r in RESOLUTION_NAMES),
+    *(KEYS.verify(r) for r in RESOLUTION_NAMES),
+    KEYS.crop_bbox,
+]
 
 
 def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(tmp_path, instance):
@@ -515,19 +525,19 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     """The reported deploy: three rows of a 512 shard replaced by a turned, a channel-swapped and a
     black picture of the same size and format (checksums valid). The fidelity check fails on that
     shard, its crop_bbox is refused, the audit fails naming it; running the shard again rebuilds it."""
-    from fixed_res_sidecar_tests.defs.test_audit import run_audit
+    from fixed_res_sidecar_tests.defs.test_dataset_audit import run_audit
     from fixed_res_sidecar_tests.fixtures.datasets import damage_resized_images, valid_rows
 
     dataset = tiny_config.datasets[0]
     rel, other = "nested/x/part-b.parquet", "part-a.parquet"
     register(instance, tiny_config)
     for shard in (rel, other):
-        assert run_shard(tiny_defs, instance, "tiny__shard", shard).success
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", shard).success
     r512, prefix = dataset.output("resized_512"), dataset.layout.resized["512"].audit_prefix
     rows = valid_rows(r512, rel, prefix)[:3]
     damage_resized_images(r512, dataset.output("resized_1024"), prefix, dict(zip(rows, ["rotated_180", "channels_reversed", "black"])), rel)  # fmt: skip
 
-    result = run_shard(tiny_defs, instance, "tiny__shard", rel)
+    result = run_shard(tiny_defs, instance, "tiny__build_shards", rel)
     assert not result.success  # a blocking check failed
     fidelity = {
         (e.asset_key, e.check_name): e for e in result.get_asset_check_evaluations() if e.check_name == verify.FIDELITY
@@ -562,8 +572,8 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
 
     # A plain rerun keeps the shard (its footer is up to date) and fails again; a run told to repair failed
     # shards (the tag; a backfill of the failed partitions with it does the same) rebuilds it.
-    assert not run_shard(tiny_defs, instance, "tiny__shard", rel).success
-    job = tiny_defs.resolve_job_def("tiny__shard")
+    assert not run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
+    job = tiny_defs.resolve_job_def("tiny__build_shards")
     tags = {REBUILD_FAILED_TAG: "true"}
     repaired = job.execute_in_process(
         partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET, tags=tags

@@ -20,8 +20,7 @@ from fixed_res_sidecar.defs.config import (
     load_config,
     parse_config,
 )
-from fixed_res_sidecar.defs.keys import RESOLUTIONS as KEY_RESOLUTIONS
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 from fixed_res_sidecar_tests.fixtures.pixels import bound_edges
 
@@ -344,6 +343,6 @@ def test_audit_prefixes_areas_and_folders_come_from_core_resolutions():
         assert (output.area, output.audit_prefix) == (resolution.area, resolution.audit_prefix)
         assert output.location.uri == f"/data/laion/out/{resolution.dataset_folder}/laion"
     assert DatasetKeys("laion").resized("1024") == dg.AssetKey(["laion", "resized_1024"])
-    assert tuple(RESOLUTIONS) == KEY_RESOLUTIONS
+    assert tuple(RESOLUTIONS) == RESOLUTION_NAMES
     with pytest.raises(ValueError, match="unknown resolution '2048'"):
         DatasetKeys("laion").verify("2048")

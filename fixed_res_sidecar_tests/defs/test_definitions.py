@@ -12,7 +12,7 @@ import yaml
 
 from fixed_res_sidecar.defs.config import DATASETS_ENV, load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import LocationError
@@ -185,8 +185,8 @@ def test_two_datasets_stay_separate(tmp_path):
         checks = [k for k in graph.asset_check_keys if k.asset_key.path[0] == keys.dataset]
         assert len(checks) == 5 + 5 + 6 + 2  # verifiers, sidecar, the audit's two
     assert '"num_cpus": 4.0' in defs.resolve_job_def(laion.shard_job).run_tags["dagster-ray/config"]
-    assert defs.resolve_sensor_def(laion.discovery_sensor).job_name == "laion__shard"
-    assert defs.resolve_sensor_def(coco.discovery_sensor).job_name == "coco__shard"
+    assert defs.resolve_sensor_def(laion.discovery_sensor).job_name == "laion__build_shards"
+    assert defs.resolve_sensor_def(coco.discovery_sensor).job_name == "coco__build_shards"
     assert defs.resolve_sensor_def(laion.automation_sensor) is not defs.resolve_sensor_def(coco.automation_sensor)
 
     # Partitions of one dataset are not partitions of the other.

@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 
 from fixed_res_sidecar.defs import history
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar_tests.fixtures.postgres import restart_postgres, stop_postgres
 
 KEYS = DatasetKeys("tiny")

@@ -3,7 +3,7 @@
 import dagster as dg
 import pytest
 
-from fixed_res_sidecar.defs.keys import DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import (
     ADD_CHUNK,
     add_requests,

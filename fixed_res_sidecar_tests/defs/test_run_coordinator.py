@@ -4,7 +4,7 @@ import dagster as dg
 import yaml
 
 from fixed_res_sidecar.defs import run_coordinator
-from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import K8S_CONFIG_TAG
 from fixed_res_sidecar_tests.defs.conftest import dataset_entry
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
@@ -32,7 +32,7 @@ def test_which_runs_get_which_tags(tmp_path, monkeypatch):
         assert from_asset_page[DATASET_TAG] == "tiny" and '"cpu": "3"' in from_asset_page[K8S_CONFIG_TAG]
         check_only = run_coordinator.tags_for(run_of("__ASSET_JOB", checks=[dg.AssetCheckKey(KEYS.audit, "x")]))
         assert check_only[DATASET_TAG] == "tiny"
-        assert run_coordinator.tags_for(run_of("tiny__shard"))[DATASET_TAG] == "tiny"
+        assert run_coordinator.tags_for(run_of("tiny__build_shards"))[DATASET_TAG] == "tiny"
         # Runs of two datasets, or of assets that are not a dataset's, are left alone.
         assert run_coordinator.tags_for(run_of("__ASSET_JOB", [KEYS.main, DatasetKeys("other").main])) == {}
         assert run_coordinator.tags_for(run_of("__ASSET_JOB", [dg.AssetKey(["a", "b", "c"])])) == {}

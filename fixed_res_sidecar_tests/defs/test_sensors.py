@@ -16,7 +16,7 @@ from dagster._time import get_current_datetime
 from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import REMOVED
-from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.sensors import (
     STATE_KEY,
@@ -82,7 +82,7 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
     assert [k for r in first.dynamic_partitions_requests for k in r.partition_keys] == expected
     assert {r.partitions_def_name for r in first.dynamic_partitions_requests} == {"tiny_shards"}
     (batch,) = first.run_requests  # both new shards in one run (shards_per_run is 8)
-    assert batch.job_name == "tiny__shard" and batch.partition_key is None
+    assert batch.job_name == "tiny__build_shards" and batch.partition_key is None
     assert (batch.tags[ASSET_PARTITION_RANGE_START_TAG], batch.tags[ASSET_PARTITION_RANGE_END_TAG]) == tuple(expected)
     tags = batch.tags
     assert tags[DATASET_TAG] == "tiny"
@@ -256,7 +256,7 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     changed, other = "part-a.parquet", "nested/x/part-b.parquet"
     outputs = [dataset.output(name) for name in ("resized_512", "resized_1024", "crop_bbox")]
     before = [tree_snapshot(location.path) for location in outputs]
-    resized = [keys.resized(resolution) for resolution in RESOLUTIONS]
+    resized = [keys.resized(resolution) for resolution in RESOLUTION_NAMES]
     assert {stale_status(defs, instance, key, changed) for key in resized} == {StaleStatus.FRESH}
 
     recrawl_main_shard(tiny_main, changed)

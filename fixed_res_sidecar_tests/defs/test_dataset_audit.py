@@ -1,4 +1,4 @@
-"""defs/audit.py: the dataset audit tells the truth from the instance's records, and stays incremental."""
+"""defs/dataset_audit.py: the dataset audit tells the truth from the instance's records, and stays incremental."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from fixed_res_sidecar.defs import audit as audit_module
-from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs import dataset_audit
+from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.defs.conftest import TINY_ROWS, register, run_shard, swap_two_keys
 
@@ -37,18 +37,20 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     assert metadata["shards"] == 2 and metadata["512_not_verified_shards"] == 2
 
     for rel in (GOOD, BAD):
-        assert run_shard(tiny_defs, instance, "tiny__shard", rel).success
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
     audit, complete, metadata = run_audit(tiny_defs, instance)
     assert audit.passed and complete.passed, complete.description
-    rows = {r: metadata[f"{r}_valid_rows"] + metadata[f"{r}_invalid_rows"] for r in RESOLUTIONS}
+    rows = {r: metadata[f"{r}_valid_rows"] + metadata[f"{r}_invalid_rows"] for r in RESOLUTION_NAMES}
     assert rows == {"512": 2 * TINY_ROWS, "1024": 2 * TINY_ROWS} and metadata["main_rows"] == 2 * TINY_ROWS
     assert metadata["512_invalid_rows"] == sum(metadata[f"512_invalid_{c}"] for c in ("missing_image", "decode_error"))
     assert metadata["crop_bbox_shards"] == 2 and metadata["512_bytes"] > 0 and metadata["main_bytes"] > 0
 
     # One resized shard loses its key order: its verifier fails, crop_bbox alone is refused.
     swap_two_keys(dataset.output("resized_512"), BAD)
-    assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.verify("512")]).success
-    assert not run_shard(tiny_defs, instance, "tiny__shard", BAD, selection=[KEYS.crop_bbox]).success  # refused: fails
+    assert not run_shard(tiny_defs, instance, "tiny__build_shards", BAD, selection=[KEYS.verify("512")]).success
+    assert not run_shard(
+        tiny_defs, instance, "tiny__build_shards", BAD, selection=[KEYS.crop_bbox]
+    ).success  # refused: fails
     audit, _, metadata = run_audit(tiny_defs, instance)
     assert not audit.passed and audit.description.startswith("tiny FAILED")
     assert f"tiny/verify_512:keys_match FAILED on 1 shard(s): {BAD}" in audit.description
@@ -58,7 +60,7 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
 
     # Repaired: the damaged shard is rebuilt and verified, its crop_bbox follows; the audit passes.
     Path(dataset.output("resized_512").child(BAD)).unlink()
-    assert run_shard(tiny_defs, instance, "tiny__shard", BAD).success
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", BAD).success
     audit, complete, metadata = run_audit(tiny_defs, instance)
     assert audit.passed and complete.passed, audit.description
     assert metadata["failed_shards"] == 0 and metadata["512_verified_shards"] == 2
@@ -67,15 +69,15 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
 def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_config, tiny_defs, instance):
     register(instance, tiny_config)
     for rel in (GOOD, BAD):
-        selection = [*(KEYS.resized(r) for r in RESOLUTIONS), *(KEYS.verify(r) for r in RESOLUTIONS)]
-        assert run_shard(tiny_defs, instance, "tiny__shard", rel, selection=selection).success
-    assert run_shard(tiny_defs, instance, "tiny__shard", GOOD, selection=[KEYS.crop_bbox]).success
+        selection = [*(KEYS.resized(r) for r in RESOLUTION_NAMES), *(KEYS.verify(r) for r in RESOLUTION_NAMES)]
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=selection).success
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", GOOD, selection=[KEYS.crop_bbox]).success
     audit, _, _ = run_audit(tiny_defs, instance)
     assert not audit.passed
     assert f"1 verified shard(s) without crop_bbox: {BAD}" in audit.description
 
     # A run of the dataset not finished yet: work is under way, so only a warning.
-    job = tiny_defs.resolve_job_def("tiny__shard")
+    job = tiny_defs.resolve_job_def("tiny__build_shards")
     instance.create_run_for_job(job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
     audit, complete, _ = run_audit(tiny_defs, instance)
     assert audit.passed and not complete.passed
@@ -85,20 +87,20 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
 def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, tiny_defs, instance):
     register(instance, tiny_config)
     keys = KEYS
-    first = audit_module.load_state(instance, "tiny")
-    assert audit_module.update_state(instance, keys, first) == 2  # the two shards recorded on main
-    audit_module.save_state(instance, "tiny", first)
-    again = audit_module.load_state(instance, "tiny")
-    assert again.shards == first.shards and audit_module.update_state(instance, keys, again) == 0
+    first = dataset_audit.load_audit_state(instance, "tiny")
+    assert dataset_audit.update_state(instance, keys, first) == 2  # the two shards recorded on main
+    dataset_audit.save_audit_state(instance, "tiny", first)
+    again = dataset_audit.load_audit_state(instance, "tiny")
+    assert again.shards == first.shards and dataset_audit.update_state(instance, keys, again) == 0
 
-    assert run_shard(tiny_defs, instance, "tiny__shard", GOOD).success
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", GOOD).success
     # 2 resized, 2 verifier and 1 sidecar materializations, and 10 + 6 check results of one shard.
-    assert audit_module.update_state(instance, keys, again) == 5 + 16
-    assert audit_module.update_state(instance, keys, again) == 0
-    audit_module.save_state(instance, "tiny", again)
-    assert audit_module.load_state(instance, "tiny") == again
-    instance.run_storage.set_cursor_values({audit_module.STATE_KEY.format(dataset="tiny"): "not a state"})
-    assert audit_module.load_state(instance, "tiny").shards == {}  # unreadable: read everything again
+    assert dataset_audit.update_state(instance, keys, again) == 5 + 16
+    assert dataset_audit.update_state(instance, keys, again) == 0
+    dataset_audit.save_audit_state(instance, "tiny", again)
+    assert dataset_audit.load_audit_state(instance, "tiny") == again
+    instance.run_storage.set_cursor_values({dataset_audit.STATE_KEY.format(dataset="tiny"): "not a state"})
+    assert dataset_audit.load_audit_state(instance, "tiny").shards == {}  # unreadable: read everything again
 
 
 @pytest.fixture
@@ -149,22 +151,22 @@ def test_the_incremental_audit_misses_no_event_committed_out_of_order(postgres_i
         for i in range(LATE_PER_WRITER):
             rels.insert(3 + 10 * i, f"late/w{w}-{i}.parquet")  # among the others, not at the end
     instance.add_dynamic_partitions(KEYS.partitions, [rel for rels in slices for rel in rels])
-    state, updates = audit_module.AuditState(), 0
+    state, updates = dataset_audit.AuditState(), 0
     with ThreadPoolExecutor(WRITERS) as pool:
         writing = [pool.submit(write_shard_events, instance, rels) for rels in slices]
         while not all(w.done() for w in writing) or not state.cursors.get("settled"):
-            audit_module.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+            dataset_audit.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
             updates += 1
         for w in writing:
             w.result()
-    audit_module.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+    dataset_audit.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
 
-    scratch = audit_module.AuditState()
-    assert audit_module.update_state(instance, KEYS, scratch) == sum(map(len, slices)) * EVENTS_PER_SHARD
+    scratch = dataset_audit.AuditState()
+    assert dataset_audit.update_state(instance, KEYS, scratch) == sum(map(len, slices)) * EVENTS_PER_SHARD
     missed = {
         rel: (want, state.shards.get(rel)) for rel, want in scratch.shards.items() if state.shards.get(rel) != want
     }
     print(f"\n{updates} incremental updates; shards differing from an audit from scratch: {len(missed)}")
     assert not missed, list(missed.items())[:5]
-    assert audit_module.evaluate(instance, KEYS, state) == audit_module.evaluate(instance, KEYS, scratch)
+    assert dataset_audit.evaluate(instance, KEYS, state) == dataset_audit.evaluate(instance, KEYS, scratch)
     assert 0 < state.cursors["settled"] <= state.cursors["high"]  # the incremental reads moved on

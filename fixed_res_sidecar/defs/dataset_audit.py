@@ -20,7 +20,7 @@ Never missing an event: storage ids are assigned when an event is inserted, but 
 concurrent writers commit out of order, and Dagster records a check's result in a second
 transaction after its event: an event with a smaller id can become visible after a reader saw
 larger ones. A cursor at the largest id read loses it (reported: 7-12 of 6,000 events with 4
-writers; defs/test_audit.py, with some commits held back: 10 of 540). So each update reads again
+writers; defs/test_dataset_audit.py, with some commits held back: 10 of 540). So each update reads again
 from `settled`, the largest id known to have been read at least `SETTLE_SECONDS` after it was
 assigned, by when it had committed: each update marks (when it finished, the largest id it read),
 and every id at or below that was assigned before then. A record is applied only when newer than
@@ -40,8 +40,8 @@ import dagster as dg
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs import history, ledger
 from fixed_res_sidecar.defs.dagster_private import BulkActionsFilter, BulkActionStatus
-from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.ledger import ShardLedger
+from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
@@ -75,7 +75,7 @@ class AuditState:
         return ShardLedger.from_json(rel, self.shards.get(rel, {}).get("ledger", {}))
 
 
-def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
+def load_audit_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
     data = history.load_json(instance, STATE_KEY.format(dataset=dataset))
     try:
         # A state of another version (e.g. before shards held ledgers) is read again from the start, once.
@@ -87,7 +87,7 @@ def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
         return AuditState()  # none yet, or unreadable: read everything again
 
 
-def save_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
+def save_audit_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
     value = {"version": STATE_VERSION, "cursors": state.cursors, "shards": state.shards, "marks": state.marks}
     history.save_json(instance, STATE_KEY.format(dataset=dataset), value)
 
@@ -247,7 +247,7 @@ class DatasetAudit:
 
     @property
     def complete(self) -> bool:
-        incomplete = any(self.not_verified.get(r) for r in RESOLUTIONS) or self.crop_missing or self.crop_stale
+        incomplete = any(self.not_verified.get(r) for r in RESOLUTION_NAMES) or self.crop_missing or self.crop_stale
         return not (incomplete or self.orphans) and self.under_way is None and self.shards > 0
 
     @property
@@ -271,7 +271,7 @@ class DatasetAudit:
                 f"{len(self.crop_stale)} shard(s) whose crop_bbox is older than their latest verification: "
                 f"{_names(self.crop_stale)}"
             )
-        for resolution in RESOLUTIONS:
+        for resolution in RESOLUTION_NAMES:
             waiting = self.not_verified.get(resolution, [])
             if waiting:
                 parts.append(f"{len(waiting)} shard(s) not verified at {resolution} yet: {_names(waiting)}")
@@ -283,7 +283,9 @@ class DatasetAudit:
         if self.under_way:
             parts.append(f"under way: {self.under_way}")
         verdict = verdict or self.verdict()
-        totals = "; ".join(f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTIONS)
+        totals = "; ".join(
+            f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTION_NAMES
+        )
         head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_shards} with crop_bbox; {totals}"
         return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")
 
@@ -312,7 +314,7 @@ class DatasetAudit:
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
             "shards": self.shards,
-            **{f"{r}_not_verified_shards": len(self.not_verified.get(r, [])) for r in RESOLUTIONS},
+            **{f"{r}_not_verified_shards": len(self.not_verified.get(r, [])) for r in RESOLUTION_NAMES},
         }
         return {
             "problem_shards": dg.MetadataValue.table(rows, schema=schema),
@@ -332,7 +334,7 @@ class DatasetAudit:
             "crop_bbox_stale": len(self.crop_stale),
             "orphaned_shards": len(self.orphans),
         }
-        for r in RESOLUTIONS:
+        for r in RESOLUTION_NAMES:
             numbers[f"{r}_shards"] = self.built.get(r, 0)
             numbers[f"{r}_bytes"] = self.output_bytes.get(r, 0)
             numbers[f"{r}_verified_shards"] = self.verified.get(r, 0)
@@ -342,7 +344,7 @@ class DatasetAudit:
             for code in ERROR_CODES:
                 numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
         metadata = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
-        for r in RESOLUTIONS:
+        for r in RESOLUTION_NAMES:
             metadata.update(self.fidelity_metadata(r))
         return metadata
 
@@ -376,7 +378,7 @@ def evaluate(
     removed = set(audit.orphans)
     partitions = [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in removed]
     audit.shards = len(partitions)
-    for resolution in RESOLUTIONS:
+    for resolution in RESOLUTION_NAMES:
         audit.built[resolution] = audit.output_bytes[resolution] = audit.verified[resolution] = 0
         audit.valid[resolution] = audit.invalid[resolution] = 0
         audit.errors[resolution] = Counter()
@@ -390,7 +392,7 @@ def evaluate(
         failed = shard_ledger.failed_checks()
         for name in failed:
             audit.failed.setdefault(f"{keys.dataset}/{name}", []).append(rel)
-        for resolution in RESOLUTIONS:
+        for resolution in RESOLUTION_NAMES:
             if resolution in shard:
                 audit.built[resolution] += 1
                 audit.output_bytes[resolution] += shard[resolution]
@@ -455,7 +457,7 @@ def _names(shards: list[str]) -> str:
 
 def audit_dataset(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None = None) -> DatasetAudit:
     """Bring the dataset's audit state up to date and evaluate it (from the run `own_run_id`)."""
-    state = history.storage_call(load_state, instance, keys.dataset)
+    state = history.storage_call(load_audit_state, instance, keys.dataset)
     update_state(instance, keys, state)
-    history.storage_call(save_state, instance, keys.dataset, state)
+    history.storage_call(save_audit_state, instance, keys.dataset, state)
     return evaluate(instance, keys, state, own_run_id)

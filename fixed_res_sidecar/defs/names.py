@@ -21,7 +21,7 @@ REBUILD_FAILED_TAG = "sidecar/rebuild_failed"
 
 # The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
 # one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).
-RESOLUTIONS: tuple[str, ...] = tuple(resolutions.RESOLUTIONS)
+RESOLUTION_NAMES: tuple[str, ...] = tuple(resolutions.RESOLUTIONS)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class DatasetKeys:
     @property
     def shard_job(self) -> str:
         """Resize, verify and crop one shard (what the sensor requests, what backfills run)."""
-        return f"{self.dataset}__shard"
+        return f"{self.dataset}__build_shards"
 
     @property
     def discovery_sensor(self) -> str:
@@ -70,7 +70,7 @@ class DatasetKeys:
     @property
     def shard_op(self) -> str:
         """The one step that resizes, verifies and crops the shards of a run."""
-        return f"{self.dataset}__shards"
+        return f"{self.dataset}__shard_batch"
 
     @cached_property
     def audit(self) -> dg.AssetKey:
@@ -87,6 +87,6 @@ class DatasetKeys:
 
 
 def _known(resolution: str) -> str:
-    if resolution not in RESOLUTIONS:
-        raise ValueError(f"unknown resolution {resolution!r}; the resolutions are {list(RESOLUTIONS)}")
+    if resolution not in RESOLUTION_NAMES:
+        raise ValueError(f"unknown resolution {resolution!r}; the resolutions are {list(RESOLUTION_NAMES)}")
     return resolution
