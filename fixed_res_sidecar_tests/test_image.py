@@ -69,8 +69,8 @@ def container_names():
     yield new
     for name in names:
         podman("rm", "--force", "--ignore", name, check=False)
-    left = podman("ps", "--all", "--quiet", "--filter", "name=sidecar-test-", check=False).stdout.split()
-    assert not [n for n in names if podman("container", "exists", n, check=False).returncode == 0], left
+    left = [name for name in names if podman("container", "exists", name, check=False).returncode == 0]
+    assert not left, f"containers left behind: {left}"
 
 
 def run_in(image: dict, name: str, *command: str, mount: Path | None = None, timeout: float = 600):
