@@ -6,11 +6,15 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 PILLOW_SIMD=pillow-simd==12.1.1.post0
-# pillow-simd builds from source: these headers decide which formats it can read and write.
-BUILD_HEADERS="libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
+# pillow-simd builds from source: these headers decide which formats it can read and write; without
+# pkg-config its build finds no libtiff and silently leaves TIFF out.
+BUILD_HEADERS="pkg-config libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
 # chromium: the browser tests drive Debian's Chromium with Playwright (no browser download).
 # postgresql: the Postgres-backed Dagster tests start their own server from Debian's binaries.
-APT_PACKAGES="$BUILD_HEADERS chromium postgresql nodejs"  # nodejs: the pip pyright runs on the node it finds on PATH
+# nodejs: the pip pyright runs on the node it finds on PATH (no node download).
+# podman, runc, mmdebstrap: scripts/build_image.sh and the image test build the container image from
+# Debian's packages, with no registry (runc: crun refuses hybrid cgroups).
+APT_PACKAGES="$BUILD_HEADERS chromium postgresql nodejs podman runc mmdebstrap"
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
@@ -29,19 +33,21 @@ if "$PYTHON" -m pip show Pillow >/dev/null 2>&1; then
     "$PYTHON" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps --no-binary pillow-simd "$PILLOW_SIMD"
 fi
 
-# A pillow-simd built before libwebp-dev was present silently lacks WebP: rebuild it, then insist.
-if ! "$PYTHON" -c 'import sys, PIL.features as f; sys.exit(not f.check("webp"))'; then
-    echo "setup: pillow-simd has no WebP support; rebuilding it from source"
+# The codecs pillow-simd must have. One built before its headers (or pkg-config) were present silently
+# lacks some (and pip's wheel cache keeps it): rebuild it without the cache, then insist.
+CODECS="webp jpg zlib littlecms2 libtiff"
+if ! "$PYTHON" -c 'import sys, PIL.features as f; sys.exit(not all(f.check(c) for c in sys.argv[1:]))' $CODECS; then
+    echo "setup: pillow-simd lacks one of: $CODECS; rebuilding it from source"
     "$PYTHON" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps --no-cache-dir --no-binary pillow-simd "$PILLOW_SIMD"
 fi
-"$PYTHON" - <<'PY'
+"$PYTHON" - $CODECS <<'PY'
 import sys
 from importlib import metadata
 
 import PIL.features
 
-missing = [name for name in ("webp", "jpg", "zlib", "littlecms2") if not PIL.features.check(name)]
+missing = [name for name in sys.argv[1:] if not PIL.features.check(name)]
 if missing:
-    sys.exit(f"setup: pillow-simd was built without {missing}; install {'/'.join(missing)} headers and rerun")
+    sys.exit(f"setup: pillow-simd was built without {missing}; install their headers and pkg-config, and rerun")
 print(f"setup: ok (pillow-simd {metadata.version('pillow-simd')}, WebP {PIL.features.version('webp')})")
 PY
