@@ -48,6 +48,7 @@ rename conditional):
 """
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -339,4 +340,33 @@ def run_fence(context, *, armed: bool | None = None, watch_parent: bool | None =
         # the run ended, so a FAILURE written by monitoring before this worker's RUN_SUCCESS stops it.
 
 
-__all__ = ["OwnerCheck", "RunFence", "RunFenced", "dedicated_run_worker", "kill_this_worker", "run_fence"]
+def current_fence() -> RunFence:
+    """The fence of the step running in this process (entered with `run_fence` or `fenced`)."""
+    if _FENCE is None:
+        raise RuntimeError("no run fence: the step is not running inside run_fence() / @fenced")
+    return _FENCE
+
+
+def fenced(step):
+    """Decorator for a step's (generator) compute function whose first argument is its context: the
+    whole step runs inside `run_fence(context)`. Keeps the function's signature and annotations,
+    which Dagster reads (put it under `@dg.multi_asset(...)`)."""
+
+    @functools.wraps(step)
+    def fenced_step(context, *args, **kwargs):
+        with run_fence(context):
+            yield from step(context, *args, **kwargs)
+
+    return fenced_step
+
+
+__all__ = [
+    "OwnerCheck",
+    "RunFence",
+    "RunFenced",
+    "current_fence",
+    "dedicated_run_worker",
+    "fenced",
+    "kill_this_worker",
+    "run_fence",
+]

@@ -227,3 +227,30 @@ def test_the_fence_thread_of_an_unarmed_fence_ends_with_the_step(instance):
     after = {t.name for t in __import__("threading").enumerate()}
     assert after <= before, after - before
     assert os.getpid() > 0  # and pytest lives on
+
+
+def test_a_fenced_asset_keeps_its_signature_and_runs_inside_its_fence(tmp_path):
+    """`@fenced` under `@dg.asset`: Dagster still sees the context and the resource it asks for, and the
+    step's body finds its fence (with its commit check, picklable for shard worker processes)."""
+    import pickle
+
+    seen = {}
+
+    class Thing(dg.ConfigurableResource):
+        value: int = 3
+
+    @dg.asset
+    @fencing.fenced
+    def fenced_asset(context: dg.AssetExecutionContext, thing: Thing):
+        fence = fencing.current_fence()
+        seen["owner"], seen["armed"], seen["value"] = fence.still_owner(), fence.armed, thing.value
+        seen["check"] = pickle.loads(pickle.dumps(fence.commit_check)).run_id == context.run.run_id
+        yield dg.MaterializeResult()
+
+    (tmp_path / "home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as instance:
+        result = dg.materialize([fenced_asset], resources={"thing": Thing()}, instance=instance)
+    assert result.success
+    assert seen == {"owner": True, "armed": False, "value": 3, "check": True}
+    with pytest.raises(RuntimeError, match="no run fence"):
+        fencing.current_fence()
