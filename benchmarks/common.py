@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 
 # The project's defaults, so that the naive and floor pipelines make the images the fused build makes.

@@ -56,9 +56,8 @@ from fixed_res_sidecar.defs.audit import audit_dataset, update_state
 from fixed_res_sidecar.defs.audit import load_state as load_audit_state
 from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN, load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.history import recorded_results, unverified_resized_problems
+from fixed_res_sidecar.defs.history import read_ledger, read_ledgers
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
-from fixed_res_sidecar.shards.pipeline import Stages
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CODE_MODULE,
@@ -412,12 +411,13 @@ class ScaleBench:
         return wait_until(done, self.options.timeout, f"backfill {backfill_id}", detail=self.deployment.report)
 
     def probes(self, instance: dg.DagsterInstance, blocks: dict[int, list[str]]) -> dict[str, float]:
-        """Per-shard event-log reads a shard run makes before any work, in ms (on built shards)."""
+        """The event-log reads a shard run makes before any work, in ms per shard (on built shards): one
+        shard's ledger alone, and a batch of `shards_per_run` ledgers read together."""
         rels = [rel for block in blocks.values() for rel in block][:20]
-        everything = Stages(resize=tuple(RESOLUTIONS), verify=tuple(RESOLUTIONS), crop=True)
-        gate = [timed(lambda rel=rel: unverified_resized_problems(instance, self.keys, rel))[0] for rel in rels]
-        recorded = [timed(lambda rel=rel: recorded_results(instance, self.keys, rel, everything))[0] for rel in rels]
-        return {"gate_ms": 1000 * statistics.mean(gate), "recorded_ms": 1000 * statistics.mean(recorded)}
+        alone = [timed(lambda rel=rel: read_ledger(instance, self.keys, rel))[0] for rel in rels]
+        batch = rels[:DEFAULT_SHARDS_PER_RUN]
+        together = timed(lambda: read_ledgers(instance, self.keys, batch))[0] / max(1, len(batch))
+        return {"ledger_ms": 1000 * statistics.mean(alone), "batch_ledger_ms": 1000 * together}
 
     def ui_queries(self, big_backfill: str, small_backfill: str) -> dict[str, dict[str, Any]]:
         """The UI pages' queries through the webserver's /graphql endpoint, median of `repeats`."""

@@ -175,8 +175,8 @@ def print_dagster_scale(report: dict[str, Any]) -> None:
         )
     probes = report["probes"]
     out.append(
-        f"| per-shard event-log queries | {probes['gate_ms']:.1f} ms | cross-run crop gate "
-        f"(`unverified_resized_problems`); recorded results {probes['recorded_ms']:.1f} ms |"
+        f"| per-shard event-log queries | {probes['ledger_ms']:.1f} ms | a shard's ledger (`history.read_ledger`: "
+        f"its materializations and check results); {probes['batch_ledger_ms']:.1f} ms per shard in a batch |"
     )
     for name, ticks in report["automation_ticks"].items():
         out.append(

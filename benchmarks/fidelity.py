@@ -32,8 +32,9 @@ from PIL import Image, ImageDraw
 from benchmarks import corpus as corpus_mod
 from benchmarks.common import log
 from benchmarks.damage import DAMAGE, encode_damaged
-from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, decoded, score_output
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Rendering, decoded, score_output
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.sample_data import make_photo
 
@@ -125,7 +126,7 @@ def score_distributions(sources: dict[str, bytes]) -> dict:
 
     def score(data: bytes, stored: Image.Image, area: int, options: PixelOptions = PixelOptions()) -> float:
         """As the verifier scores (core/fidelity.py `score_output`): the fused path, else the one-area path."""
-        scored = score_output(data, stored, area, options, built_with=fused)
+        scored = score_output(data, stored, Rendering(area, options, built_with=fused))
         if isinstance(scored, str):
             raise RuntimeError(scored)
         return scored[0].score

@@ -13,9 +13,10 @@ from collections.abc import Iterable
 from PIL import Image
 
 from benchmarks.common import AREAS, PATCH, QUALITY
+from fixed_res_sidecar.core.decoding import DRAFT_FORMATS, draft_factor
 from fixed_res_sidecar.core.geometry import Geometry, geometry
 from fixed_res_sidecar.core.orientation import oriented_size, read_orientation, to_upright
-from fixed_res_sidecar.core.pixels import DRAFT_FORMATS, REDUCING_GAP, RESAMPLE, draft_factor
+from fixed_res_sidecar.core.pixel_settings import REDUCING_GAP, RESAMPLE
 
 PHASES = ("decode", "encode")
 

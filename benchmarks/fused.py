@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 
 from benchmarks import corpus
 from benchmarks.common import AREAS
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resized_output

@@ -8,7 +8,7 @@ from importlib import metadata
 from typing import Any
 
 from benchmarks.corpus import Corpus
-from fixed_res_sidecar.core.pixels import library_versions
+from fixed_res_sidecar.core.pixel_settings import library_versions
 
 # Targets of issue 6.
 TARGET_VS_NAIVE = 1.6  # fused (method 4, 1 thread) at least this many times faster than naive

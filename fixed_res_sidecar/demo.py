@@ -131,7 +131,7 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
 def show_automation_on(instance) -> None:
     """Clear the instance's legacy "auto-materialize paused" flag, which the UI shows as "Auto-materialize
     off" although this project's automation runs in its automation sensors (which ignore the flag)."""
-    from dagster._daemon.asset_daemon import set_auto_materialize_paused
+    from fixed_res_sidecar.defs.dagster_private import set_auto_materialize_paused
 
     set_auto_materialize_paused(instance, False)
 

@@ -203,6 +203,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.benchmark
 def test_dagster_scale_reports_every_figure(deployment_slot, tmp_path, capsys):
     """--dagster-scale at a tiny size, for real (PostgreSQL, code server, daemon, webserver): every figure
     is reported, finite and not negative, and nothing is left running. No timing is asserted.
@@ -252,6 +253,7 @@ def test_dagster_scale_reports_every_figure(deployment_slot, tmp_path, capsys):
     assert "## Dagster scale" in printed and "| shards_per_run 2: overhead per shard |" in printed
 
 
+@pytest.mark.benchmark
 def test_fidelity_reports_score_distributions_and_verifier_cost(tmp_path, capsys):
     """--fidelity on a tiny corpus: every good variant and every damage has its scores, the threshold
     separates them, and the verifier's cost is reported with and without fidelity. No timings asserted."""

@@ -23,12 +23,13 @@ from dagster._core.storage.tags import PARTITION_NAME_TAG
 
 from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.history import Recorded, recorded_results
+from fixed_res_sidecar.defs.history import RESTATED_FROM_RUN, read_ledger
 from fixed_res_sidecar.defs.keys import RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.ledger import Action
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
-from fixed_res_sidecar.shards.pipeline import Stages, fingerprints_match
+from fixed_res_sidecar.shards.pipeline import PipelineOptions, Stages, StoredOutputs
 from fixed_res_sidecar_tests.defs.conftest import TINY_SIZES, check_partition_status, dataset_entry, register
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CLUSTER_ONLY,
@@ -83,7 +84,7 @@ def built_by(instance, key: dg.AssetKey, rel: str) -> list[str]:
         m.run_id
         for m in materializations(instance, key, rel)
         if m.asset_materialization.metadata["status"].value == "built"
-        and "restated_from_run" not in m.asset_materialization.metadata
+        and RESTATED_FROM_RUN not in m.asset_materialization.metadata
     ]
 
 
@@ -428,10 +429,12 @@ def test_a_storage_outage_mid_run_leaves_no_built_shard_unrecorded(private_dagst
         assert_outputs_whole(config.dataset("outage"), shards)
         # ...on the outputs now in storage: nothing built after what is on record.
         everything = Stages(resize=RESOLUTIONS, verify=RESOLUTIONS, crop=True)
+        dataset = config.dataset("outage")
+        options = PipelineOptions(pixels=dataset.pixel_options())
         for rel in shards:
-            recorded = recorded_results(instance, keys, rel, everything)
-            assert isinstance(recorded, Recorded), f"{rel}: {recorded}"
-            assert fingerprints_match(config.dataset("outage").layout, rel, recorded.fingerprints), rel
+            outputs = StoredOutputs(dataset.layout, rel, everything, options)
+            decision = read_ledger(instance, keys, rel).decide(everything, True, outputs)
+            assert decision.action is Action.RESTATE, f"{rel}: {decision.reason}"
         # Each shard's runs ended well, by themselves or through their retries.
         for rel in shards:
             statuses = [r.status for r in runs if r.job_name == keys.shard_job and r.tags[PARTITION_NAME_TAG] == rel]

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
 
 
+@pytest.mark.install
 def test_a_non_editable_install_runs_the_demo_and_the_code_location_outside_the_checkout(tmp_path):
     venv = tmp_path / "venv"
     # System site packages give the pinned dependencies; the project itself is installed as a wheel.

@@ -7,6 +7,7 @@ import sys
 from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
+    bounded,
     check_positive,
     clean_leftovers,
     main_shards,
@@ -14,7 +15,7 @@ from fixed_res_sidecar.cli.common import (
     symlink_report,
     usage_error,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.retry import StorageError
@@ -22,6 +23,7 @@ from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
 from fixed_res_sidecar.shards.resize import (
     DECODE_MEMORY_SHARE,
     DEFAULT_TASK_MEMORY_GB,
+    ResizeTargets,
     ShardResult,
     build_resized_shard,
 )
@@ -63,14 +65,23 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
     parser.add_argument("--key-column", default="image_key")
     parser.add_argument("--image-column", default="image")
-    parser.add_argument("--patch-size", type=int, default=defaults.patch_size)
+    # Bounds and formats are the core's (core/pixel_settings.py), as the datasets file's are.
+    rules = {name: bound.description for name, bound in SETTING_BOUNDS.items()}
+    parser.add_argument(
+        "--patch-size", type=bounded("patch_size"), default=defaults.patch_size, help=rules["patch_size"]
+    )
     parser.add_argument("--square", action="store_true", help="centred square crop (tw = th)")
-    parser.add_argument("--output-format", default=defaults.output_format, choices=["webp", "jpeg", "png"])
-    parser.add_argument("--quality", type=int, default=defaults.quality)
-    parser.add_argument("--webp-method", type=int, default=defaults.webp_method, help="WebP effort 0..6")
-    parser.add_argument("--max-source-pixels", type=int, default=defaults.max_source_pixels)
-    parser.add_argument("--max-aspect-ratio", type=float, default=defaults.max_aspect_ratio)
-    parser.add_argument("--min-source-side", type=int, default=defaults.min_source_side)
+    parser.add_argument("--output-format", default=defaults.output_format, choices=list(OUTPUT_FORMATS))
+    parser.add_argument("--quality", type=bounded("quality"), default=defaults.quality, help=rules["quality"])
+    parser.add_argument(
+        "--webp-method",
+        type=bounded("webp_method"),
+        default=defaults.webp_method,
+        help=f"WebP effort, {rules['webp_method']}",
+    )
+    for setting in ("max_source_pixels", "max_aspect_ratio", "min_source_side"):
+        flag = "--" + setting.replace("_", "-")
+        parser.add_argument(flag, type=bounded(setting), default=getattr(defaults, setting), help=rules[setting])
     parser.add_argument("--background", default=None, help="composite transparency on R,G,B instead of keeping it")
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
     parser.add_argument(
@@ -138,12 +149,14 @@ def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
     return failed
 
 
-def _build_shard(build, layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], **options) -> ShardResult:
+def _build_shard(
+    build, layout: DatasetLayout, rel: str, *, failed: dict[str, str | None], skip_existing: bool, **options
+) -> ShardResult:
     """One shard's build by `build` (the builder travels with the job into worker processes and Ray
     tasks, as the function it was when the run started), rebuilding its outputs that a verifier
     report failed (`--rebuild-failed`)."""
     rebuild = still_failed(layout, rel, failed) if failed else ()
-    return build(layout, rel, rebuild=rebuild, **options)
+    return build(layout, rel, targets=ResizeTargets(skip_existing=skip_existing, rebuild=rebuild), **options)
 
 
 def run(args) -> int:
@@ -186,16 +199,15 @@ def run(args) -> int:
                 f"--use-ray needs Ray, which is not installed ({exc}); "
                 "install it with: pip install 'fixed-resolution-sidecar[ray]'"
             )
+        tasks = ray_runner.RayTaskOptions(
+            max_inflight=args.max_inflight,
+            task_cpus=args.task_cpus,
+            task_memory_gb=args.task_memory_gb,
+            max_attempts=args.max_attempts,
+        )
         try:
             summary = ray_runner.run_shards_on_ray(
-                job,
-                shards,
-                address=args.ray_address,
-                max_inflight=args.max_inflight,
-                task_cpus=args.task_cpus,
-                task_memory_gb=args.task_memory_gb,
-                max_attempts=args.max_attempts,
-                progress=progress,
+                job, shards, tasks=tasks, address=args.ray_address, progress=progress
             )
         except ray_runner.RayConnectionError as exc:
             return usage_error(exc)

@@ -1,9 +1,11 @@
 """What every `sidecar-ops` command does the same way."""
 
+import argparse
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fixed_res_sidecar.core.errors import describe_exception
+from fixed_res_sidecar.core.pixel_settings import SETTING_BOUNDS
 from fixed_res_sidecar.io.leftovers import Cleanup, remove_temp_dir_leftovers
 from fixed_res_sidecar.io.locations import Location
 
@@ -41,6 +43,25 @@ def check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def bounded(setting: str) -> Callable[[str], int | float]:
+    """An argparse `type` for the flag of a pixel setting: its value parsed and held to the setting's bound
+    in the core (`SETTING_BOUNDS`), so the command line refuses, naming the flag, exactly what the
+    pipeline and the datasets file refuse (exit status 2, before any work)."""
+    bound = SETTING_BOUNDS[setting]
+
+    def parse(text: str) -> int | float:
+        try:
+            value = int(text) if bound.integer else float(text)
+        except ValueError:
+            value = None
+        if value is None or not bound.admits(value):
+            raise argparse.ArgumentTypeError(f"must be {bound.description}, got {text!r}")
+        return value
+
+    parse.__name__ = setting  # what argparse names in its own messages
+    return parse
 
 
 def symlink_report(main: Location) -> str:

@@ -12,6 +12,7 @@ import sys
 from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
+    bounded,
     check_positive,
     clean_leftovers,
     main_shards,
@@ -80,7 +81,12 @@ def add_parser(subparsers) -> None:
         help="images decoded per resized shard (default: 32; 0: rows, keys and audit only)",
     )
     gate.add_argument("--image-column", default="image", help="the resized datasets' image column")
-    gate.add_argument("--patch-size", type=int, default=32, help="the patch size the resized datasets were built with")
+    gate.add_argument(
+        "--patch-size",
+        type=bounded("patch_size"),
+        default=32,
+        help="the patch size the resized datasets were built with",
+    )
     gate.add_argument("--square", action="store_true", help="the resized datasets were built with --square")
     parser.set_defaults(func=run)
 
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     """Build every shard; 0 when all succeeded, 1 when any failed, 2 on bad configuration."""
     # Configuration is checked before any shard is touched.
     try:
-        check_positive(threads=args.threads, patch_size=args.patch_size)
+        check_positive(threads=args.threads)
         if args.verify_sample < 0:
             raise ValueError("--verify-sample must be at least 0")
         layout = sidecar_layout(args, args.output_prefix)

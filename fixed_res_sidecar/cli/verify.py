@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from fixed_res_sidecar.cli.common import (
     STORAGE_FAILED,
+    bounded,
     check_positive,
     main_shards,
     storage_failed,
@@ -63,7 +64,7 @@ def add_parser(subparsers) -> None:
     resized.add_argument(
         "--target-area", type=int, default=None, help=f"pixel area; defaults from the audit prefix ({areas})"
     )
-    resized.add_argument("--patch-size", type=int, default=32)
+    resized.add_argument("--patch-size", type=bounded("patch_size"), default=32)
     resized.add_argument("--square", action="store_true", help="the dataset was built with --square")
     resized.add_argument(
         "--sample",
@@ -142,7 +143,7 @@ def run_verify_resized(args) -> int:
             raise ValueError(
                 f"no default target area for audit prefix {args.audit_prefix!r}; give --target-area (defaults: {defaults})"
             )
-        check_positive(patch_size=args.patch_size, threads=args.threads, target_area=area)
+        check_positive(threads=args.threads, target_area=area)
         counts = {name: getattr(args, name) for name in ("sample", "fidelity_sample")}
         check_positive(**{name: value for name, value in counts.items() if value is not None})
         output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)

@@ -1,7 +1,7 @@
 """Fidelity: whether a stored output shows the picture the pipeline makes from its source. Pure.
 
 The expected image is the pipeline's own render of the source with the output's recorded
-settings, before any lossy encoder (`core.pixels.reference_options`). Two PSNRs against it:
+settings, before any lossy encoder (`core.pixel_settings.reference_options`). Two PSNRs against it:
 the stored output's, and that of the expected image encoded again with the recorded settings
 (what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
 
@@ -21,14 +21,16 @@ picture asked for. The threshold was set from the measured distributions (README
 """
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image
 
+from .decoding import open_image
 from .memory import MemoryBudget
-from .pixels import PixelOptions, encode_output, open_image, process_image, reference_options
+from .pixel_settings import PixelOptions, reference_options
+from .pixels import process_image
+from .render import encode_output
 
 PSNR_CAP = 45.0  # dB: differences above are invisible
 # Good outputs measured at -0.9 dB and above (another WebP method, JPEG against WebP); damage at
@@ -44,6 +46,20 @@ OTHER_PATH_BELOW = -1.0
 # pipeline's results, one per area. A fused build makes both resolutions from one decode, and so
 # the check of one resolution renders the other's too; the second check then needs no render.
 Renders = dict[tuple[tuple[int, ...], PixelOptions], list]
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How an output was rendered: its target area and pixel options (as its shard's footer records them),
+    and the other areas made from the same decode (`built_with`: a fused build), which the expected image
+    is made with too, so that it takes the same path (shrink-on-load, intermediate)."""
+
+    area: int
+    options: PixelOptions
+    built_with: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "built_with", tuple(self.built_with))  # any sequence given; frozen, hashable
 
 
 @dataclass(frozen=True)
@@ -69,19 +85,17 @@ class Fidelity:
 
 def expected_output(
     source: bytes | None,
-    area: int,
-    options: PixelOptions,
+    rendering: Rendering,
     budget: MemoryBudget | None = None,
-    built_with: Sequence[int] = (),
     renders: Renders | None = None,
 ) -> tuple[Expected | None, str | None]:
-    """(what an output of `area` built with `options` from `source` is compared with, None), or
-    (None, why it cannot be made). `built_with`: the other areas made from the same decode (the
-    fused build), so the expected image takes the same path (shrink-on-load, intermediate) and a
+    """(what an output rendered as `rendering` from `source` is compared with, None), or (None, why it
+    cannot be made). With the areas it was built with, the expected image takes the build's path and a
     good output scores 0; another path is within SPEC 3's 40 dB and scores about -2 dB at worst.
     `renders`: this source's renders made so far, reused and added to."""
-    areas = tuple(sorted({area, *built_with}, reverse=True))
-    reference = reference_options(options)
+    area = rendering.area
+    areas = tuple(sorted({area, *rendering.built_with}, reverse=True))
+    reference = reference_options(rendering.options)
     results = renders.get((areas, reference)) if renders is not None else None
     if results is None:
         results = process_image(source, list(areas), reference, budget)
@@ -91,30 +105,29 @@ def expected_output(
     if not result.record.valid:
         return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
     image = decoded(result.image)
-    return Expected(image, psnr(image, decoded(encode_output(image, options)))), None
+    return Expected(image, psnr(image, decoded(encode_output(image, rendering.options)))), None
 
 
 def score_output(
     source: bytes | None,
     stored: Image.Image,
-    area: int,
-    options: PixelOptions,
+    rendering: Rendering,
     budget: MemoryBudget | None = None,
-    built_with: Sequence[int] = (),
     min_score: float = FIDELITY_MIN_SCORE,
     renders: Renders | None = None,
 ) -> tuple[Fidelity, Expected] | str:
     """`stored` scored against what `source` gives (and that expected output), or why it cannot be.
 
-    The expected image is made as a fused build makes it (with `built_with`); when the stored one
-    scores below OTHER_PATH_BELOW against it, also as a build of `area` alone makes it (another
+    The expected image is made as a fused build makes it (with `rendering.built_with`); when the stored
+    one scores below OTHER_PATH_BELOW against it, also as a build of its area alone makes it (another
     shrink-on-load factor: a large JPEG built alone scored -3.0 dB against the fused path), and the
     better score counts. The footer does not say how a shard was built; only rows scoring low pay for
     the second render. `renders`: as for `expected_output`."""
-    paths = [tuple(built_with), ()] if set(built_with) - {area} else [()]
+    built_with = rendering.built_with
+    paths = [built_with, ()] if set(built_with) - {rendering.area} else [()]
     best: tuple[Fidelity, Expected] | None = None
     for others in paths:
-        expected, problem = expected_output(source, area, options, budget, others, renders)
+        expected, problem = expected_output(source, replace(rendering, built_with=others), budget, renders)
         if expected is None:
             return problem or "no expected image"
         result = fidelity(expected, stored, min_score)
@@ -126,7 +139,7 @@ def score_output(
 
 
 def decoded(data: bytes) -> Image.Image:
-    """Encoded bytes (an allowed format, see core/pixels.py) decoded; raises as Pillow does."""
+    """Encoded bytes (an allowed format, see core/decoding.py) decoded; raises as Pillow does."""
     with open_image(data) as image:
         image.load()
         return image.copy()

@@ -1,6 +1,6 @@
 """A budget of bytes shared by the threads that decode one shard's images.
 
-Each image reserves what decoding it is estimated to need (core/pixels.py estimates it from
+Each image reserves what decoding it is estimated to need (core/decoding.py estimates it from
 the header, before any pixel is decoded) and gives it back when its outputs are made. A
 reservation waits while others hold too much of the budget, first come first served, so a
 large image is not starved by a stream of small ones; one larger than the whole budget is

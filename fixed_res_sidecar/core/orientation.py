@@ -1,6 +1,6 @@
 """EXIF orientation: reading the tag, turning pixels upright, and moving points and boxes (SPEC 4, 6).
 
-The one implementation used by the pixel pipeline (core/pixels.py), the caption boxes
+The one implementation used by the pixel pipeline (core/pixels.py, core/render.py), the caption boxes
 (core/bbox.py) and the overlay pictures (core/overlay.py), so a picture can never show an
 image or a box turned differently from the resize.
 

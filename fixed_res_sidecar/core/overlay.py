@@ -9,7 +9,7 @@ applied) with the boxes of `structured_description`, the 512 image with the
 every panel, so a reviewer can see at a glance whether a box still sits on its object.
 
 Images here are untrusted input, decoded as carefully as by the resize: only the formats
-core/pixels.py accepts are opened, and an image whose header gives more than
+core/decoding.py accepts are opened, and an image whose header gives more than
 `max_source_pixels` pixels is not decoded at all (its panel says so). Box slots come from
 core/bbox.py's walker and EXIF orientation from core/orientation.py, so a picture shows
 what the resize and the sidecar did, not a second opinion. A panel draws the boxes of the
@@ -34,6 +34,7 @@ from fixed_res_sidecar.core.bbox import (
     parse_caption,
     walk_box_slots,
 )
+from fixed_res_sidecar.core.decoding import open_image, too_many_pixels
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.fidelity import difference_image
 from fixed_res_sidecar.core.orientation import (
@@ -41,7 +42,7 @@ from fixed_res_sidecar.core.orientation import (
     read_orientation,
     to_upright,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions, open_image, too_many_pixels
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 
 PANEL_WIDTH = 640
 MAX_PANEL_HEIGHT = 960  # a very tall image is shown narrower instead
@@ -114,13 +115,21 @@ class _Panel:
     boxes: list[tuple[LabelledSlot, tuple[float, float, float, float]]]
 
 
+@dataclass(frozen=True)
+class OverlayRow:
+    """What an overlay picture shows of one sidecar row: the original image and its caption, and each
+    resolution's image and crop caption (encoded bytes and JSON text; None when missing)."""
+
+    original: bytes | None = None
+    caption: str | None = None
+    img_512: bytes | None = None
+    crop_512: str | None = None
+    img_1024: bytes | None = None
+    crop_1024: str | None = None
+
+
 def overlay_picture(
-    original: bytes | None,
-    caption: str | None,
-    img_512: bytes | None,
-    crop_512: str | None,
-    img_1024: bytes | None,
-    crop_1024: str | None,
+    row: OverlayRow,
     *,
     panel_width: int = PANEL_WIDTH,
     bbox_keys: Sequence[str] = DEFAULT_BBOX_KEYS,
@@ -138,10 +147,11 @@ def overlay_picture(
     if caption_frame not in CAPTION_FRAMES:
         raise ValueError(f"caption_frame must be one of {CAPTION_FRAMES}, got {caption_frame!r}")
     limit = max_source_pixels
+    raw_frame = caption_frame == "raw"
     panels = [
-        _original_panel(original, caption, labels[0], panel_width, bbox_keys, caption_frame == "raw", limit),
-        _resized_panel(img_512, crop_512, labels[1], panel_width, bbox_keys, limit),
-        _resized_panel(img_1024, crop_1024, labels[2], panel_width, bbox_keys, limit),
+        _original_panel(row.original, row.caption, labels[0], panel_width, bbox_keys, raw_frame, limit),
+        _resized_panel(row.img_512, row.crop_512, labels[1], panel_width, bbox_keys, limit),
+        _resized_panel(row.img_1024, row.crop_1024, labels[2], panel_width, bbox_keys, limit),
     ]
     return _compose(panels)
 

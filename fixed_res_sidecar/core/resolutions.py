@@ -16,6 +16,7 @@ class Resolution:
 RESOLUTION_512 = Resolution("512", AREA_512, "0_26mp_process", "0_262mp_version_all_in_one")
 RESOLUTION_1024 = Resolution("1024", AREA_1024, "1_05mp_process", "1_05mp_version_all_in_one")
 RESOLUTIONS: dict[str, Resolution] = {r.name: r for r in (RESOLUTION_512, RESOLUTION_1024)}
+RESOLUTION_NAMES: tuple[str, ...] = tuple(RESOLUTIONS)  # ("512", "1024"), as asset names and flags spell them
 
 
 def area_for_audit_prefix(audit_prefix: str) -> int | None:

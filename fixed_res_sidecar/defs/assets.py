@@ -12,7 +12,7 @@
   its own materializations and its own check results, also in a run over several shards.
   The gate is per shard: a shard whose verifier failed gets no crop_bbox, the others of its batch
   do; crop_bbox selected without its verifiers is refused unless both verifiers passed on the
-  current resized shards in earlier runs (`history.unverified_resized_problems`, read only then). A refused shard
+  current resized shards in earlier runs (the shard's ledger, `defs/ledger.py`). A refused shard
   gets an observation saying why and no materialization; its checks do not run.
   A shard whose selected outputs are up to date and whose last results are on record is not
   redone: its selected assets are materialised again with their recorded metadata and its check
@@ -49,17 +49,17 @@ from fixed_res_sidecar.defs.checks import (
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.history import (
     RESTATED_FROM_ID,
+    RESTATED_FROM_RUN,
     VERIFIED_FINGERPRINT,
-    Recorded,
-    built_at,
+    asset_keys,
     built_from_main,
     latest_materialization,
-    recorded_results,
+    read_ledgers,
     retry_run_on_failure,
-    unverified_resized_problems,
     wait_for_storage,
 )
 from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
+from fixed_res_sidecar.defs.ledger import CHECKS, Action, CheckState, Decision, ShardLedger
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -67,8 +67,7 @@ from fixed_res_sidecar.shards.pipeline import (
     PipelineOptions,
     ShardOutcome,
     Stages,
-    fingerprints_match,
-    outputs_up_to_date,
+    StoredOutputs,
     run_stages,
 )
 from fixed_res_sidecar.shards.resize import RESIZE_OUTPUT_VERSION
@@ -177,49 +176,49 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             rebuild_failed=context.run.tags.get(REBUILD_FAILED_TAG) == "true",
         )
         rels = list(context.partition_keys)
-        problems: dict[str, list[str]] = {}  # shard -> why it failed; the others' results stand
-        removed = [rel for rel in rels if not dataset.main.exists(rel)]
-        for rel in removed:
-            yield from removed_observations(context, keys, dataset, rel, stages)
-        current = {}
-        for rel in (rel for rel in rels if rel not in removed):
+        layout = dataset.layout
+        ledgers = read_ledgers(context.instance, keys, rels)
+        infra: dict[str, list[str]] = {}  # shard -> why it failed, not the data's fault (a retry can redo it)
+        data: dict[str, list[str]] = {}  # shard -> why its data failed (a retry would fail the same way)
+        decisions: dict[str, Decision] = {}
+        for rel in rels:
             try:
-                recorded = _current(context.instance, keys, dataset, rel, stages, options)
+                in_main = dataset.main.exists(rel)
+                decisions[rel] = ledgers[rel].decide(
+                    stages, options.skip_existing, StoredOutputs(layout, rel, stages, options), in_main
+                )
             except Exception as exc:  # noqa: BLE001 - one shard's failure must not stop the others
-                problems[rel] = [describe_exception(exc, max_chars=500)]
-                continue
-            if isinstance(recorded, Recorded):
-                current[rel] = recorded
-            elif recorded:
-                context.log.info(f"{rel}: to build: {recorded}")
-        for rel, recorded in current.items():
-            context.log.info(f"{rel}: up to date, results restated")
-            yield from restated_events(context, rel, recorded)
-        todo = [rel for rel in rels if rel not in current and rel not in removed and rel not in problems]
-        # The cross-run gate (earlier runs' verifications, a few event-log queries per shard, ~0.1 s on
-        # Postgres) only when this run does not verify both resolutions itself; when it does, run_stages
-        # gates the crop on this run's own reports and never reads it (README, "Dagster at scale").
-        verified_here = set(stages.verify) == set(RESOLUTIONS)
-        gates = (
-            {rel: unverified_resized_problems(context.instance, keys, rel) for rel in todo}
-            if stages.crop and not verified_here
-            else {}
-        )
+                infra[rel] = [describe_exception(exc, max_chars=500)]
+        for rel, decision in decisions.items():
+            if decision.action is Action.SKIP:
+                yield from removed_observations(context, keys, dataset, rel, stages)
+            elif decision.action is Action.RESTATE:
+                context.log.info(f"{rel}: {decision.reason}")
+                yield from restated_events(context, keys, ledgers[rel], stages)
+            elif decision.action is Action.REFUSE:
+                yield refusal(keys, rel, list(decision.gate or ()), context)
+                data[rel] = [f"crop_bbox refused: {'; '.join(decision.gate or ())}"]
+            else:
+                context.log.info(f"{rel}: {decision.reason}")
+        todo = [rel for rel, decision in decisions.items() if decision.action is Action.BUILD]
+        # The cross-run gate is the ledger's, read above; when this run verifies both resolutions
+        # itself, run_stages gates the crop on this run's own reports (README, "Dagster at scale").
+        gates = {rel: list(gate) for rel in todo if (gate := decisions[rel].gate) is not None}
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
         outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
         # The work may have outlasted a storage outage: record it once the event log answers again.
         wait_for_storage(context.instance)
-        if not failures and not problems and any(outcome.problems() for outcome in outcomes.values()):
-            retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
-        for rel, reason in failures.items():  # not the data's fault (storage, a crash): a retry can redo it
-            problems[rel] = [reason]
+        for rel, reason in failures.items():
+            infra[rel] = [reason]
         for rel in todo:
             if rel in outcomes:
                 yield from shard_events(context, dataset, keys, outcomes[rel], stages)
                 if outcome_problems := outcomes[rel].problems():
-                    problems[rel] = outcome_problems
-        if problems:
+                    data[rel] = outcome_problems
+        if data and not infra:
+            retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
+        if problems := {**data, **infra}:
             # The run fails, naming each failed shard; every other shard of it is recorded whole (every
             # selected asset materialised, every check evaluated), so only failed shards show Failed.
             raise dg.Failure(
@@ -370,60 +369,42 @@ def refusal(keys: DatasetKeys, rel: str, problems: list[str], context) -> dg.Ass
     )
 
 
-def _current(
-    instance, keys: DatasetKeys, dataset: DatasetConfig, rel: str, stages: Stages, options
-) -> Recorded | str | None:
-    """What is on record of `rel` when nothing needs doing: every selected result is on record,
-    passed, was made on the very objects now in storage (their fingerprints), and they are up to date
-    (a few event-log queries, stats and footer reads); else why not (None: not asked to skip). A
-    resized shard selected without its verifier is never restated: materialised again, it would no
-    longer count as verified."""
-    if not options.skip_existing or not set(stages.resize) <= set(stages.verify):
-        return None
-    recorded = recorded_results(instance, keys, rel, stages)
-    if isinstance(recorded, str):
-        return recorded
-    if not recorded.results:  # nothing on record to restate (e.g. resized alone)
-        return None
-    layout = dataset.layout
-    if not fingerprints_match(layout, rel, recorded.fingerprints):
-        return "an output changed since it was verified"
-    if not outputs_up_to_date(layout, rel, stages, options):
-        return "an output is missing, damaged or not built from the current main shard and settings"
-    return recorded
-
-
-def restated_events(context, rel: str, recorded) -> Iterator:
+def restated_events(context, keys: DatasetKeys, shard: ShardLedger, stages: Stages) -> Iterator:
     """An up-to-date shard's selected assets materialised again with their recorded metadata (so every
     view of the shard, failed partitions included, is as fresh as this run), and its recorded check
     results restated against those new materializations."""
-    for key, record in recorded.materializations.items():  # in graph order: resized, verify, crop_bbox
+    rel, assets = shard.rel, asset_keys(keys)
+    for name in shard.selected(stages):  # in graph order: resized, verify, crop_bbox
+        key, entry = assets[name], shard.latest(name)
+        record = latest_materialization(context.instance, key, rel)
+        assert entry is not None and record is not None and record.asset_materialization is not None
         previous = record.asset_materialization
         yield dg.AssetMaterialization(
             asset_key=key,
             partition=rel,
-            description=f"unchanged since run {record.run_id[:8]}",
+            description=f"unchanged since {entry.described()}",
             metadata={
                 **previous.metadata,
-                "restated_from_run": dg.MetadataValue.text(record.run_id),
-                RESTATED_FROM_ID: dg.MetadataValue.int(built_at(record)),
+                RESTATED_FROM_RUN: dg.MetadataValue.text(entry.builder),
+                RESTATED_FROM_ID: dg.MetadataValue.int(entry.order),
             },
             tags=previous.tags,
         )
         target = target_data(latest_materialization(context.instance, key, rel))
-        for check_key, (passed, description, _) in recorded.results.items():
-            if check_key.asset_key != key:
-                continue
+        for check_name in CHECKS.get(name, ()):
+            result = shard.check(name, check_name)
             yield dg.AssetCheckEvaluation(
                 asset_key=key,
-                check_name=check_key.name,
-                passed=passed,
+                check_name=check_name,
+                passed=result.state is CheckState.PASSED,
                 partition=rel,
                 target_materialization_data=target,
                 severity=dg.AssetCheckSeverity.ERROR,
                 blocking=True,
-                description=f"restated, the shard is unchanged since run {record.run_id[:8]}: {description}"[:2000],
-                metadata={"restated_from_run": dg.MetadataValue.text(record.run_id)},
+                description=(
+                    f"restated, the shard is unchanged since {entry.described()}: {result.description or 'passed'}"
+                )[:2000],
+                metadata={RESTATED_FROM_RUN: dg.MetadataValue.text(entry.builder)},
             )
 
 

@@ -38,10 +38,10 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.defs import history
+from fixed_res_sidecar.defs import history, ledger
+from fixed_res_sidecar.defs.dagster_private import BulkActionsFilter, BulkActionStatus
 from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
-from fixed_res_sidecar.defs.sensors import REMOVED
-from fixed_res_sidecar.shards.verify import CROP_BBOX_CHECKS, RESIZED_CHECKS
+from fixed_res_sidecar.defs.ledger import ShardLedger
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
@@ -49,6 +49,7 @@ PAGE = 10_000  # event records read at a time
 # How long after taking its storage id an event's writer has surely committed it (Dagster's own
 # connection retries take ~11 s): events younger than this are read again by the next update.
 SETTLE_SECONDS = 300.0
+STATE_VERSION = 2  # 2: a ledger per shard
 LISTED = 20  # shards named per problem in the audit's text and tables
 UNFINISHED_RUNS = [
     dg.DagsterRunStatus.QUEUED,
@@ -60,22 +61,26 @@ UNFINISHED_RUNS = [
 
 @dataclass
 class AuditState:
-    """What the audit has read so far: how far, and per shard, what it found."""
+    """What the audit has read so far: how far, and per shard, its ledger and its numbers."""
 
     # "high": the largest storage id read; "settled": every event at or below it was read once it
     # had surely committed (each update reads again after it)
     cursors: dict[str, int] = field(default_factory=dict)
-    # rel -> {"main": [rows, bytes], "main_id": storage id, "removed_id": storage id, "<res>": bytes,
-    #         "<res>_id": storage id, "verify_<res>": [storage id, valid, invalid, {code: n}],
-    #         "crop": storage id, "checks": {check key text: status}}
+    # rel -> {"ledger": ShardLedger.to_json(), "main": [rows, bytes], "<res>": bytes of the output,
+    #         "verify_<res>": [valid, invalid, {code: n}], "fidelity_<res>": fidelity_state(...)}
     shards: dict[str, dict[str, Any]] = field(default_factory=dict)
     marks: list[list[float]] = field(default_factory=list)  # [when an update finished, "high" then]
 
+    def ledger(self, rel: str) -> ShardLedger:
+        return ShardLedger.from_json(rel, self.shards.get(rel, {}).get("ledger", {}))
+
 
 def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
-    data = history.load_state(instance, STATE_KEY.format(dataset=dataset))
+    data = history.load_json(instance, STATE_KEY.format(dataset=dataset))
     try:
-        # A state saved before "settled" existed (a cursor per asset) is read again from the start, once.
+        # A state of another version (e.g. before shards held ledgers) is read again from the start, once.
+        if data["version"] != STATE_VERSION:
+            return AuditState()
         cursors = {name: data["cursors"][name] for name in ("high", "settled") if name in data["cursors"]}
         return AuditState(cursors, dict(data["shards"]), list(data.get("marks", [])))
     except (TypeError, KeyError, AttributeError):
@@ -83,72 +88,82 @@ def load_state(instance: dg.DagsterInstance, dataset: str) -> AuditState:
 
 
 def save_state(instance: dg.DagsterInstance, dataset: str, state: AuditState) -> None:
-    value = {"cursors": state.cursors, "shards": state.shards, "marks": state.marks}
-    history.save_state(instance, STATE_KEY.format(dataset=dataset), value)
+    value = {"version": STATE_VERSION, "cursors": state.cursors, "shards": state.shards, "marks": state.marks}
+    history.save_json(instance, STATE_KEY.format(dataset=dataset), value)
 
 
 def update_state(
     instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, settle_seconds: float = SETTLE_SECONDS
 ) -> int:
     """Read the events recorded lately into the state (those after its settled cursor: see the module's
-    docstring); returns how many were new to it."""
+    docstring); returns how many were new to it. Each is applied to its shard's ledger, which keeps
+    the newer of what it holds and what it is given."""
     started = time.time()
     after, known = state.cursors.get("settled", 0), state.cursors.get("high", 0)
     high, read = known, 0
-    for slot, key in _materialized_assets(keys).items():
+    ledgers: dict[str, ShardLedger] = {}  # the shards touched by this update
+
+    def ledger_of(rel: str) -> ShardLedger:
+        if rel not in ledgers:
+            ledgers[rel] = state.ledger(rel)
+        return ledgers[rel]
+
+    for name, key in history.asset_keys(keys).items():
         for record in _new_events(instance.fetch_materializations, key, after):
             high = max(high, record.storage_id)
-            if record.partition_key is None:
+            rel = record.partition_key
+            if rel is None:
                 continue
-            shard = state.shards.setdefault(record.partition_key, {})
-            if record.storage_id <= _held_id(shard, slot):
+            held = ledger_of(rel)
+            ledgers[rel] = held.with_materialization(name, history.materialization_of(record))
+            if ledgers[rel] is held:
                 continue  # read before, or older than what the shard holds (it committed late)
             read += 1
-            metadata = {name: value.value for name, value in record.asset_materialization.metadata.items()}
-            if slot == "main":
-                shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
-                shard["main_id"] = record.storage_id
-            elif slot in RESOLUTIONS:
-                shard[slot] = _int(metadata.get("bytes"))
-                shard[f"{slot}_id"] = record.storage_id
-            elif slot == "crop":
-                shard["crop"] = record.storage_id
-                shard["crop_built"] = history.built_at(record)  # a restatement keeps its place
-            else:  # a verifier
-                errors = {code: _int(metadata.get(f"invalid_{code}")) for code in ERROR_CODES}
-                shard[slot] = [
-                    record.storage_id,
-                    _int(metadata.get("valid")),
-                    _int(metadata.get("invalid")),
-                    {code: n for code, n in errors.items() if n},
-                ]
-                shard[f"fidelity_{slot.removeprefix('verify_')}"] = fidelity_state(metadata)
-                shard[f"{slot}_built"] = history.built_at(record)
+            _keep_numbers(state.shards.setdefault(rel, {}), name, record)
     # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
     for record in _new_events(instance.fetch_observations, keys.main, after):
         high = max(high, record.storage_id)
-        metadata = record.asset_observation.metadata
-        if record.partition_key is not None and REMOVED in metadata and metadata[REMOVED].value:
-            shard = state.shards.setdefault(record.partition_key, {})
-            if record.storage_id > shard.get("removed_id", 0):
-                shard["removed_id"] = record.storage_id
-                read += 1
+        rel = record.partition_key
+        if rel is not None and history.is_removal(record):
+            held = ledger_of(rel)
+            ledgers[rel] = held.with_removal(record.storage_id)
+            read += ledgers[rel] is not held
     # The latest result per check and shard (what the storage holds now, so applied as it is).
+    names = {key: name for name, key in history.check_keys(keys).items()}
     infos = history.storage_call(
-        instance.event_log_storage.get_asset_check_partition_info, _check_keys(keys), after_storage_id=after
+        instance.event_log_storage.get_asset_check_partition_info, list(names), after_storage_id=after
     )
     for info in infos:
         high = max(high, info.latest_check_event_storage_id)
         if info.partition_key is None:
             continue
-        checks = state.shards.setdefault(info.partition_key, {}).setdefault("checks", {})
-        name, status = info.check_key.to_user_string(), info.latest_execution_status.value
-        if checks.get(name) != status or info.latest_check_event_storage_id > known:
+        held, record = ledger_of(info.partition_key), history.check_record_of(info)
+        name = names[info.check_key]
+        if held.checks.get(name) != record or info.latest_check_event_storage_id > known:
             read += 1
-        checks[name] = status
+        ledgers[info.partition_key] = held.with_check(name, record)
+    for rel, shard_ledger in ledgers.items():
+        state.shards.setdefault(rel, {})["ledger"] = shard_ledger.to_json()
     state.cursors["high"] = high
     _settle(state, started, settle_seconds)
     return read
+
+
+def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -> None:
+    """The counts a materialization adds to its shard's numbers (rows, bytes, valid and invalid rows, fidelity)."""
+    metadata = {key: value.value for key, value in record.asset_materialization.metadata.items()}
+    if name == ledger.MAIN:
+        shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
+    elif name.startswith("resized_"):
+        shard[name.removeprefix("resized_")] = _int(metadata.get("bytes"))
+    elif name.startswith("verify_"):
+        errors = {code: _int(metadata.get(f"invalid_{code}")) for code in ERROR_CODES}
+        shard[name] = [
+            _int(metadata.get("valid")),
+            _int(metadata.get("invalid")),
+            {c: n for c, n in errors.items() if n},
+        ]
+        shard[f"fidelity_{name.removeprefix('verify_')}"] = fidelity_state(metadata)
 
 
 def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
@@ -159,31 +174,6 @@ def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
     if ripe:
         state.cursors["settled"] = max([state.cursors.get("settled", 0), *ripe])
         state.marks = [mark for mark in state.marks if mark[0] > started - settle_seconds]
-
-
-def _held_id(shard: dict[str, Any], slot: str) -> int:
-    """The storage id of the record a shard's slot holds (0: none)."""
-    if slot == "main":
-        return shard.get("main_id", 0)
-    if slot == "crop":
-        return shard.get("crop", 0)
-    if slot in RESOLUTIONS:
-        return shard.get(f"{slot}_id", 0)
-    return shard.get(slot, [0])[0]  # a verifier
-
-
-def _materialized_assets(keys: DatasetKeys) -> dict[str, dg.AssetKey]:
-    return {
-        "main": keys.main,
-        **{resolution: keys.resized(resolution) for resolution in RESOLUTIONS},
-        **{f"verify_{resolution}": keys.verify(resolution) for resolution in RESOLUTIONS},
-        "crop": keys.crop_bbox,
-    }
-
-
-def _check_keys(keys: DatasetKeys) -> list[dg.AssetCheckKey]:
-    verify = [dg.AssetCheckKey(keys.verify(r), name) for r in RESOLUTIONS for name in RESIZED_CHECKS]
-    return verify + [dg.AssetCheckKey(keys.crop_bbox, name) for name in CROP_BBOX_CHECKS]
 
 
 def _new_events(fetch, key: dg.AssetKey, after: int):
@@ -237,7 +227,7 @@ class DatasetAudit:
     verified: dict[str, int] = field(default_factory=dict)  # resolution -> shards whose checks all passed
     failed: dict[str, list[str]] = field(default_factory=dict)  # check key text -> shards whose latest result failed
     not_verified: dict[str, list[str]] = field(default_factory=dict)  # resolution -> shards never verified
-    crop_built: int = 0
+    crop_shards: int = 0  # shards with a crop_bbox
     crop_missing: list[str] = field(default_factory=list)  # finished shards without a crop_bbox
     crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
     orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
@@ -294,7 +284,7 @@ class DatasetAudit:
             parts.append(f"under way: {self.under_way}")
         verdict = verdict or self.verdict()
         totals = "; ".join(f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTIONS)
-        head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_built} with crop_bbox; {totals}"
+        head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_shards} with crop_bbox; {totals}"
         return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")
 
     def verdict_metadata(self) -> dict[str, dg.MetadataValue]:
@@ -336,7 +326,7 @@ class DatasetAudit:
             "shards": self.shards,
             "main_rows": self.main_rows,
             "main_bytes": self.main_bytes,
-            "crop_bbox_shards": self.crop_built,
+            "crop_bbox_shards": self.crop_shards,
             "failed_shards": len(self.failed_shards),
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
@@ -377,10 +367,12 @@ class DatasetAudit:
 def evaluate(
     instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, own_run_id: str | None = None
 ) -> DatasetAudit:
-    """The audit over the current partitions, and the shards removed from main (orphans)."""
+    """The audit over the current partitions, and the shards removed from main (orphans), by the
+    ledger's rules."""
     audit = DatasetAudit(keys.dataset)
+    ledgers = {rel: state.ledger(rel) for rel in state.shards}
     # Removed shards: their partitions are retired, their outputs kept (orphans).
-    audit.orphans = sorted(rel for rel, shard in state.shards.items() if _removed(shard))
+    audit.orphans = sorted(rel for rel, shard_ledger in ledgers.items() if shard_ledger.removed)
     removed = set(audit.orphans)
     partitions = [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in removed]
     audit.shards = len(partitions)
@@ -390,46 +382,37 @@ def evaluate(
         audit.errors[resolution] = Counter()
         audit.not_verified[resolution] = []
         audit.fidelity[resolution] = {"checked": 0, "failing": 0, "bins": Counter(), "min": None, "medians": []}
-    verify_checks = {r: [f"{keys.verify(r).to_user_string()}:{name}" for name in RESIZED_CHECKS] for r in RESOLUTIONS}
     for rel in partitions:
-        shard = state.shards.get(rel, {})
+        shard, shard_ledger = state.shards.get(rel, {}), ledgers.get(rel) or ShardLedger(rel)
         rows, size = shard.get("main", [0, 0])
         audit.main_rows += rows
         audit.main_bytes += size
-        checks = shard.get("checks", {})
-        for name, status in checks.items():
-            if status == "FAILED":
-                audit.failed.setdefault(name, []).append(rel)
-        passed_at = []
+        failed = shard_ledger.failed_checks()
+        for name in failed:
+            audit.failed.setdefault(f"{keys.dataset}/{name}", []).append(rel)
         for resolution in RESOLUTIONS:
             if resolution in shard:
                 audit.built[resolution] += 1
                 audit.output_bytes[resolution] += shard[resolution]
-            verification = shard.get(f"verify_{resolution}")
-            _add_fidelity(audit.fidelity[resolution], shard.get(f"fidelity_{resolution}"))
-            if verification is not None:
-                _, valid, invalid, errors = verification
+            if (counts := shard.get(f"verify_{resolution}")) is not None:
+                valid, invalid, errors = counts
                 audit.valid[resolution] += valid
                 audit.invalid[resolution] += invalid
                 audit.errors[resolution].update(errors)
-            if all(checks.get(name) == "SUCCEEDED" for name in verify_checks[resolution]) and verification:
+            _add_fidelity(audit.fidelity[resolution], shard.get(f"fidelity_{resolution}"))
+            if shard_ledger.unverified(resolution) is None:
                 audit.verified[resolution] += 1
-                passed_at.append(shard.get(f"verify_{resolution}_built", verification[0]))
-            elif not any(checks.get(name) == "FAILED" for name in verify_checks[resolution]):
+            elif not any(name.startswith(f"{ledger.verifier(resolution)}:") for name in failed):
                 audit.not_verified[resolution].append(rel)
-        if "crop" in shard:
-            audit.crop_built += 1
-        if len(passed_at) == len(RESOLUTIONS):
-            if "crop" not in shard:
+        if shard_ledger.latest(ledger.CROP_BBOX) is not None:
+            audit.crop_shards += 1
+        if not shard_ledger.gate():
+            if shard_ledger.latest(ledger.CROP_BBOX) is None:
                 audit.crop_missing.append(rel)
-            elif shard.get("crop_built", shard["crop"]) < max(passed_at):
+            elif shard_ledger.crop_stale():
                 audit.crop_stale.append(rel)
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit
-
-
-def _removed(shard: dict[str, Any]) -> bool:
-    return shard.get("removed_id", -1) > shard.get("main_id", -1)
 
 
 def _add_fidelity(total: dict[str, Any], shard: dict[str, Any] | None) -> None:
@@ -449,8 +432,6 @@ def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str 
     aside) or backfills."""
     filters = dg.RunsFilter(statuses=UNFINISHED_RUNS, tags={DATASET_TAG: keys.dataset})
     runs = len([run_id for run_id in instance.get_run_ids(filters, limit=1000) if run_id != own_run_id])
-    from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
-
     backfills = [
         backfill
         for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED]))

@@ -23,6 +23,7 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
+from fixed_res_sidecar.defs.dagster_private import AssetCheckEvaluationTargetMaterializationData
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
@@ -207,10 +208,6 @@ def check_evaluations(
 
 def target_data(record: dg.EventLogRecord | None):
     """The link from a check result to the materialization it checked (the UI shows results only so)."""
-    from dagster._core.definitions.asset_checks.asset_check_evaluation import (
-        AssetCheckEvaluationTargetMaterializationData,
-    )
-
     if record is None:
         return None
     return AssetCheckEvaluationTargetMaterializationData(

@@ -26,14 +26,16 @@ Shape (every field but `name` and `main_prefix` has a default; see datasets.yaml
 
 Defaults come from the code that uses them, not from literals here: the pixel settings
 (patch_size, square, output_format, quality, webp_method, background, limits) from
-`core.pixels.PixelOptions`, the audit prefixes and resized dataset folders from
+`core.pixel_settings.PixelOptions`, the audit prefixes and resized dataset folders from
 `core.resolutions.RESOLUTIONS`. A dataset that does not set one follows the code's default.
+The bounds of the pixel settings and the output formats come from there too
+(`core.pixel_settings.SETTING_BOUNDS`, `OUTPUT_FORMATS`): the file refuses exactly what the
+pipeline and the command line refuse.
 
 Relative local paths are taken relative to the folder holding the datasets file.
 """
 
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -53,7 +55,7 @@ from pydantic import (
 )
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
-from fixed_res_sidecar.core.pixels import OUTPUT_FORMATS, PixelOptions
+from fixed_res_sidecar.core.pixel_settings import BACKGROUND_CHANNEL, OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError, check_writable
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput, resized_output
@@ -73,9 +75,14 @@ DEFAULT_OUTPUT_FOLDERS = {
     "crop_bbox": "crop_bbox_sidecar",
     "reports": "verifier_reports",
 }
-# Every pixel setting defaults to the pipeline's own default (core.pixels.PixelOptions), so a
+# Every pixel setting defaults to the pipeline's own default (core.pixel_settings.PixelOptions), so a
 # change of default there (e.g. the WebP method) reaches every dataset that does not set it.
 _PIXEL_DEFAULTS = PixelOptions()
+
+
+def _pixel_setting(name: str) -> Any:
+    """The field of a numeric pixel setting: the pipeline's default, and its bound (SETTING_BOUNDS) for pydantic."""
+    return Field(getattr(_PIXEL_DEFAULTS, name), **SETTING_BOUNDS[name].field_constraints())
 
 
 class ConfigError(ValueError):
@@ -122,16 +129,9 @@ class OutputsConfig(_Strict):
 class LimitsConfig(_Strict):
     """Per-row source limits (SPEC 3): a row over a limit is audited with its error code."""
 
-    max_source_pixels: int = Field(_PIXEL_DEFAULTS.max_source_pixels, gt=0)
-    max_aspect_ratio: float = Field(_PIXEL_DEFAULTS.max_aspect_ratio, ge=1)
-    min_source_side: int = Field(_PIXEL_DEFAULTS.min_source_side, gt=0)
-
-    @field_validator("max_aspect_ratio")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
+    max_source_pixels: int = _pixel_setting("max_source_pixels")
+    max_aspect_ratio: float = _pixel_setting("max_aspect_ratio")
+    min_source_side: int = _pixel_setting("min_source_side")
 
 
 class RunResources(_Strict):
@@ -165,11 +165,11 @@ class DatasetConfig(_Strict):
     outputs: OutputsConfig = OutputsConfig()
     audit_prefix_512: str = RESOLUTIONS["512"].audit_prefix
     audit_prefix_1024: str = RESOLUTIONS["1024"].audit_prefix
-    patch_size: int = Field(_PIXEL_DEFAULTS.patch_size, gt=0, le=4096)
+    patch_size: int = _pixel_setting("patch_size")
     square: bool = _PIXEL_DEFAULTS.square
-    output_format: str = _PIXEL_DEFAULTS.output_format  # one of core.pixels.OUTPUT_FORMATS
-    quality: int = Field(_PIXEL_DEFAULTS.quality, ge=0, le=100)
-    webp_method: int = Field(_PIXEL_DEFAULTS.webp_method, ge=0, le=6)
+    output_format: str = _PIXEL_DEFAULTS.output_format  # one of core.pixel_settings.OUTPUT_FORMATS
+    quality: int = _pixel_setting("quality")
+    webp_method: int = _pixel_setting("webp_method")
     background: tuple[int, int, int] | None = _PIXEL_DEFAULTS.background  # composite transparency on this colour
     limits: LimitsConfig = LimitsConfig()
     threads_per_shard: int = Field(1, ge=1, le=256)
@@ -214,8 +214,8 @@ class DatasetConfig(_Strict):
     @field_validator("background")
     @classmethod
     def _colour(cls, value: tuple[int, int, int] | None) -> tuple[int, int, int] | None:
-        if value is not None and not all(0 <= c <= 255 for c in value):
-            raise ValueError(f"must be three integers in 0..255, got {list(value)}")
+        if value is not None and not all(BACKGROUND_CHANNEL.admits(c) for c in value):
+            raise ValueError(f"must be three values, each {BACKGROUND_CHANNEL.description}, got {list(value)}")
         return value
 
     @model_validator(mode="after")

@@ -59,9 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
-from dagster._core.events import DagsterEventType
-from dagster._core.instance.ref import InstanceRef
-from dagster._serdes import serialize_value
+
+from fixed_res_sidecar.defs.dagster_private import InstanceRef
 
 FENCE_ENV = "SIDECAR_RUN_FENCE"  # "0": never kill; "1": kill even outside a dedicated run worker
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the entrypoint's environment
@@ -162,7 +161,9 @@ def _status(instance: dg.DagsterInstance, run_id: str, budget: float) -> dg.Dags
 
 def _lost_by_others(instance: dg.DagsterInstance, run_id: str, status: dg.DagsterRunStatus) -> bool:
     """Whether the run's FAILURE/CANCELED was written by another process than this one."""
-    kind = DagsterEventType.RUN_FAILURE if status == dg.DagsterRunStatus.FAILURE else DagsterEventType.RUN_CANCELED
+    kind = (
+        dg.DagsterEventType.RUN_FAILURE if status == dg.DagsterRunStatus.FAILURE else dg.DagsterEventType.RUN_CANCELED
+    )
     try:
         records = instance.get_records_for_run(run_id, of_type=kind, limit=1, ascending=False).records
     except Exception:  # noqa: BLE001 - unreadable: assume another process (the safe side)
@@ -192,7 +193,7 @@ class OwnerCheck:
             return _FENCE.reason()  # in the run worker itself: its fence (and its instance)
         if self.owner_pid != os.getpid() and _start_time(self.owner_pid) != self.owner_started:
             return f"its run worker (pid {self.owner_pid}) is gone"
-        key = serialize_value(self.instance_ref)
+        key = dg.serialize_value(self.instance_ref)
         instance = _INSTANCES.get(key)
         if instance is None:  # a shard worker process: its own instance, opened once
             instance = _INSTANCES[key] = dg.DagsterInstance.from_ref(self.instance_ref)
@@ -233,7 +234,9 @@ class RunFence:
     def parent_gone(self) -> str | None:
         for pid, started in self.parents:
             if _start_time(pid) != started:
-                return f"its Ray parent (pid {pid}, the job supervisor or its shell) is gone: the node or its raylet died"
+                return (
+                    f"its Ray parent (pid {pid}, the job supervisor or its shell) is gone: the node or its raylet died"
+                )
         return None
 
     def reason(self, budget: float = CHECK_STORAGE_BUDGET_SECONDS) -> str | None:

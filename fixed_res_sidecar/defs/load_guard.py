@@ -15,14 +15,14 @@ storage outage: OSError) are left to the retries.
 A worker that cannot even import this package gets no tag (nothing of ours runs): the run
 coordinator refuses to launch its retry instead (`run_coordinator.deterministic_parent_failure`).
 
-Imports only the standard library and Dagster, so it works when the rest of the package does not.
+Imports only the standard library, Dagster and `dagster_private` (Dagster alone), so it works when
+the rest of the package does not.
 """
 
 import contextlib
 import sys
 from collections.abc import Iterator
 
-MAX_RETRIES_TAG = "dagster/max_retries"  # dagster._core.storage.tags.MAX_RETRIES_TAG
 # Errors of loading that are worth retrying (they may pass); any other one would repeat.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
 
@@ -30,14 +30,15 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, TimeoutError)
 def run_of_this_worker():
     """(run id, instance ref) when this process is a run worker (`dagster api execute_run ARGS` or
     `resume_run`, as every launcher but the default one starts it), else None."""
-    from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
-    from dagster._serdes import deserialize_value
+    import dagster as dg
+
+    from fixed_res_sidecar.defs.dagster_private import ExecuteRunArgs, ResumeRunArgs
 
     argv = sys.argv[1:]
     if "api" not in argv or not any(a in argv for a in ("execute_run", "resume_run")) or not argv[-1].startswith("{"):
         return None
     try:
-        args = deserialize_value(argv[-1], (ExecuteRunArgs, ResumeRunArgs))
+        args = dg.deserialize_value(argv[-1], (ExecuteRunArgs, ResumeRunArgs))
     except Exception:  # noqa: BLE001 - not what we thought: no run to mark
         return None
     return (args.run_id, args.instance_ref) if args.instance_ref is not None else None
@@ -45,6 +46,8 @@ def run_of_this_worker():
 
 def mark_not_retried(run_id: str, instance_ref, exc: BaseException) -> None:
     import dagster as dg
+
+    from fixed_res_sidecar.defs.dagster_private import MAX_RETRIES_TAG
 
     text = "".join(f"{type(exc).__name__}: {exc}".splitlines(keepends=True)[:20])[:3000]
     with dg.DagsterInstance.from_ref(instance_ref) as instance:

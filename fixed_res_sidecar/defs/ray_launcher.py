@@ -22,10 +22,10 @@ saying so, and its runs read `SIDECAR_DATASETS` on the node, as before.
 
 import json
 
-from dagster._core.launcher import LaunchRunContext, ResumeRunContext
 from dagster_ray.core.run_launcher import RayRunLauncher
 
 from fixed_res_sidecar.defs.code_location import published_run_env
+from fixed_res_sidecar.defs.dagster_private import LaunchRunContext, ResumeRunContext
 from fixed_res_sidecar.defs.run_resources import RAY_CONFIG_TAG
 
 
@@ -62,7 +62,9 @@ class SidecarRayRunLauncher(RayRunLauncher):
         return run.with_tags(tags)  # this launch's copy: the stored run keeps its tags
 
     def launch_run(self, context: LaunchRunContext) -> None:
-        super().launch_run(LaunchRunContext(self._with_run_env(context.dagster_run, context.workspace), context.workspace))
+        super().launch_run(
+            LaunchRunContext(self._with_run_env(context.dagster_run, context.workspace), context.workspace)
+        )
 
     def resume_run(self, context: ResumeRunContext) -> None:
         run = self._with_run_env(context.dagster_run, context.workspace)

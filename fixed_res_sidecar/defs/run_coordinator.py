@@ -26,9 +26,8 @@ covers the workers that cannot.
 import functools
 
 import dagster as dg
-from dagster._core.run_coordinator import SubmitRunContext
-from dagster._core.storage.tags import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
 
+from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG, dataset_run_tags
 
 
@@ -47,7 +46,7 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
             )
         return super().from_config_value(inst_data, config_value)
 
-    def submit_run(self, context: SubmitRunContext) -> dg.DagsterRun:
+    def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
         run = context.dagster_run
         if why := deterministic_parent_failure(self._instance, run):
             message = f"Not launched: this retry would fail as its parent did ({why})."
@@ -58,7 +57,7 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
             tags = tags_for(run)
             if tags:
                 self._instance.add_run_tags(run.run_id, tags)
-                context = SubmitRunContext(self._instance.get_run_by_id(run.run_id), context.workspace)
+                context = dg.SubmitRunContext(self._instance.get_run_by_id(run.run_id), context.workspace)
         return super().submit_run(context)
 
 

@@ -31,11 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import dagster as dg
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.defs.partitions import (
     add_requests,
@@ -52,7 +52,6 @@ LISTING_PAGE_SIZE = 1000
 REFUSED_LOGGED = 20  # refused shard names written to the tick log, per tick
 AUTOMATION_INTERVAL_SECONDS = 30
 STATE_KEY = "fixed_res_sidecar/discovery/{dataset}"
-REMOVED = "removed"  # metadata of main's observation of a shard a complete listing no longer has
 
 
 @dataclass
@@ -184,7 +183,7 @@ def main_events(
                 asset_key=keys.main,
                 partition=rel,
                 description=f"{main.child(rel)} is no longer in the main dataset; its outputs are kept",
-                metadata={REMOVED: dg.MetadataValue.bool(True), "uri": dg.MetadataValue.path(main.child(rel))},
+                metadata={history.REMOVED: dg.MetadataValue.bool(True), "uri": dg.MetadataValue.path(main.child(rel))},
             )
         )
     return events
@@ -264,11 +263,11 @@ def discovery_tick(
 
 
 def load_seen(instance: dg.DagsterInstance, dataset: str) -> dict[str, list]:
-    return history.load_state(instance, STATE_KEY.format(dataset=dataset)) or {}
+    return history.load_json(instance, STATE_KEY.format(dataset=dataset)) or {}
 
 
 def save_seen(instance: dg.DagsterInstance, dataset: str, seen: dict[str, list]) -> None:
-    history.save_state(instance, STATE_KEY.format(dataset=dataset), seen)
+    history.save_json(instance, STATE_KEY.format(dataset=dataset), seen)
 
 
 def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:

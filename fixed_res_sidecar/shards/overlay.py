@@ -11,7 +11,7 @@ from typing import Any
 from fixed_res_sidecar.core.audit import audit_column
 from fixed_res_sidecar.core.bbox import CROP_COLUMNS
 from fixed_res_sidecar.core.image_cell import image_bytes
-from fixed_res_sidecar.core.overlay import overlay_picture
+from fixed_res_sidecar.core.overlay import OverlayRow, overlay_picture
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout
@@ -60,15 +60,15 @@ def write_overlays(layout: DatasetLayout, rel: str, overlay_dir: Location, sampl
     stem = shard_stem(rel)
     written = []
     for row in rows:
-        png = overlay_picture(
+        shown = OverlayRow(
             image_bytes(originals.get(row)) or None,
             captions.get(row),
             image_bytes(resized["512"].get(row)) or None,
             crops["512"][row],
             image_bytes(resized["1024"].get(row)) or None,
             crops["1024"][row],
-            **options,
         )
+        png = overlay_picture(shown, **options)
         target = f"{stem}/{row:06d}-{safe_name(keys[row])}.png"
         overlay_dir.write_bytes(target, png, protect=layout.read_only)
         written.append(overlay_dir.child(target))

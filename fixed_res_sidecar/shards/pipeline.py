@@ -11,13 +11,13 @@ import time
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.overlay import write_overlays
-from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ShardResult, build_resized_shard
+from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ResizeTargets, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
     ShardReport,
@@ -115,12 +115,14 @@ def run_stages(
             outcome.resized = build_resized_shard(
                 layout,
                 rel,
-                resolutions=stages.resize,
+                targets=ResizeTargets(
+                    resolutions=stages.resize,
+                    skip_existing=options.skip_existing,
+                    rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
+                ),
                 options=options.pixels,
                 threads=options.threads,
-                skip_existing=options.skip_existing,
                 memory_gb=options.memory_gb,
-                rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
             )
         except ShardError as exc:  # the data's fault: the verifier records it per check
             outcome.resize_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
@@ -209,31 +211,57 @@ def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOu
             outcome.overlay_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
 
 
-def fingerprints_match(layout: DatasetLayout, rel: str, recorded: dict[str, str | None]) -> bool:
-    """Whether every output named in `recorded` ("resized_512", "crop_bbox") is still the object that
-    was verified (same fingerprint): one stat or HEAD each."""
-    locations = {**{f"resized_{name}": o.location for name, o in layout.resized.items()}, "crop_bbox": layout.sidecar}
-    return all(value is not None and locations[name].fingerprint(rel) == value for name, value in recorded.items())
+@dataclass(frozen=True)
+class StoredOutputs:
+    """What storage holds of one shard's outputs, as a run's decision asks it (`defs/ledger.OutputCheck`):
+    whether they are still the objects that were verified, and up to date (SPEC 2's skip rule, from
+    stats and footers alone: no image is read)."""
+
+    layout: DatasetLayout
+    rel: str
+    stages: Stages
+    options: PipelineOptions
+
+    def changed(self, fingerprints: dict[str, str | None]) -> list[str]:
+        """The outputs named in `fingerprints` ("resized_512", "crop_bbox") that are no longer the object
+        with that fingerprint: one stat or HEAD each."""
+        locations = {f"resized_{name}": o.location for name, o in self.layout.resized.items()}
+        locations["crop_bbox"] = self.layout.sidecar
+        return [
+            name
+            for name, value in fingerprints.items()
+            if value is None or locations[name].fingerprint(self.rel) != value
+        ]
+
+    def outdated(self) -> str | None:
+        """Why an output the stages would write is not up to date (the first found); None when all are."""
+        from fixed_res_sidecar.io.parquet import open_shard
+        from fixed_res_sidecar.shards.crop_bbox import crop_bbox_settings
+        from fixed_res_sidecar.shards.resize import build_settings
+        from fixed_res_sidecar.shards.settings import read_settings, resized_sources, sidecar_sources, staleness
+
+        layout, rel = self.layout, self.rel
+        main = open_shard(layout.main, rel, "main")
+        rows = main.metadata.num_rows
+        for name in sorted({*self.stages.resize, *self.stages.verify}, key=list(layout.resized).index):
+            output = layout.resized[name]
+            settings = build_settings(output, self.options.pixels, layout.key_column, layout.image_column)
+            if why := staleness(output.location, rel, rows, settings, resized_sources(layout, rel, main)):
+                return f"its {name} output is {_stale_words(why)}"
+        if self.stages.crop:
+            recorded = {name: read_settings(o.location.parquet_file(rel)) for name, o in layout.resized.items()}
+            settings = crop_bbox_settings(layout, recorded)
+            if why := staleness(layout.sidecar, rel, rows, settings, sidecar_sources(layout, rel, main)):
+                return f"its crop_bbox is {_stale_words(why, 'its main or resized shards')}"
+        return None
 
 
-def outputs_up_to_date(layout: DatasetLayout, rel: str, stages: Stages, options: PipelineOptions) -> bool:
-    """Whether every output `stages` would write for `rel` is already there with the current settings
-    (SPEC 2's skip rule, from footers alone: no image is read)."""
-    from fixed_res_sidecar.io.parquet import open_shard
-    from fixed_res_sidecar.shards.crop_bbox import crop_bbox_settings
-    from fixed_res_sidecar.shards.resize import build_settings
-    from fixed_res_sidecar.shards.settings import is_up_to_date, read_settings, resized_sources, sidecar_sources
+def _stale_words(why: str, sources: str = "main's shard") -> str:
+    """A staleness reason (shards/settings.py) as words after "is"."""
+    from fixed_res_sidecar.shards import settings
 
-    main = open_shard(layout.main, rel, "main")
-    rows = main.metadata.num_rows
-    for name in {*stages.resize, *stages.verify}:
-        output = layout.resized[name]
-        settings = build_settings(output, options.pixels, layout.key_column, layout.image_column)
-        if not is_up_to_date(output.location, rel, rows, settings, resized_sources(layout, rel, main)):
-            return False
-    if stages.crop:
-        recorded = {name: read_settings(output.location.parquet_file(rel)) for name, output in layout.resized.items()}
-        settings = crop_bbox_settings(layout, recorded)
-        if not is_up_to_date(layout.sidecar, rel, rows, settings, sidecar_sources(layout, rel, main)):
-            return False
-    return True
+    return {
+        settings.ROWS: "of another row count than main's shard",
+        settings.SETTINGS: "built with other settings",
+        settings.SOURCES: f"built from another version of {sources}",
+    }.get(why, why)

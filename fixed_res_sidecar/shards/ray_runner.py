@@ -2,7 +2,8 @@
 
 The same picklable `job(rel)` the local runner uses (the CLI's
 `functools.partial(build_resized_shard, ...)`) runs once per shard as a Ray task with
-`num_cpus=task_cpus` and `memory=task_memory_gb` GiB, at most `max_inflight` at a time.
+`num_cpus=task_cpus` and `memory=task_memory_gb` GiB, at most `max_inflight` at a time
+(`RayTaskOptions`).
 
 Failures, as a user of a shared cluster expects:
 
@@ -71,6 +72,21 @@ class RaySummary(RunSummary):
         return {rel: n for rel, n in self.attempts.items() if n > 1}
 
 
+@dataclass(frozen=True)
+class RayTaskOptions:
+    """The shard tasks of a run: how many run at once, what each asks of the cluster, and how many
+    attempts a shard gets when its task is lost. Invalid values raise ValueError on construction."""
+
+    max_inflight: int = 8
+    task_cpus: float = 1
+    task_memory_gb: float = 4.0
+    max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.max_inflight < 1 or self.max_attempts < 1 or self.task_cpus <= 0 or self.task_memory_gb <= 0:
+            raise ValueError("max_inflight and max_attempts must be >= 1; task_cpus and task_memory_gb > 0")
+
+
 def _run_job(job: Callable[[str], Any], rel: str) -> Any:
     return job(rel)
 
@@ -79,22 +95,17 @@ def run_shards_on_ray(
     job: Callable[[str], Any],
     shards: Sequence[str],
     *,
+    tasks: RayTaskOptions = RayTaskOptions(),
     address: str | None = None,
-    max_inflight: int = 8,
-    task_cpus: float = 1,
-    task_memory_gb: float = 4.0,
-    max_attempts: int = 3,
     progress: Progress | None = None,
     runtime_env: dict[str, Any] | None = None,
 ) -> RaySummary:
-    """Run `job` for every shard as a Ray task; never raises for a failing shard.
+    """Run `job` for every shard as a Ray task (as `tasks` say); never raises for a failing shard.
 
     Uses the Ray session of this process when there is one; otherwise connects to
     `address`, else `RAY_ADDRESS`, else starts a local Ray sized to this machine, and
     disconnects at the end. `runtime_env` is passed to `ray.init` when this call connects.
     """
-    if max_inflight < 1 or max_attempts < 1 or task_cpus <= 0 or task_memory_gb <= 0:
-        raise ValueError("max_inflight and max_attempts must be >= 1; task_cpus and task_memory_gb > 0")
     started = time.monotonic()
     summary = RaySummary()
     progress = progress or Progress(len(shards))
@@ -103,9 +114,9 @@ def run_shards_on_ray(
     connected_here = connect(address, runtime_env=runtime_env)
     try:
         local = connected_here == "local"
-        num_cpus, memory = _task_resources(task_cpus, task_memory_gb, local=local, progress=progress)
+        num_cpus, memory = _task_resources(tasks.task_cpus, tasks.task_memory_gb, local=local, progress=progress)
         options = {"num_cpus": num_cpus, "memory": memory, "max_retries": 0, "retry_exceptions": False}
-        _loop(ray.remote(_run_job), options, ray.put(job), shards, max_inflight, max_attempts, summary, progress)
+        _loop(ray.remote(_run_job), options, ray.put(job), shards, tasks, summary, progress)
     finally:
         if connected_here:
             ray.shutdown()
@@ -182,12 +193,12 @@ def _task_resources(task_cpus: float, task_memory_gb: float, *, local: bool, pro
     return num_cpus, memory
 
 
-def _loop(remote, options, job_ref, shards, max_inflight, max_attempts, summary: RaySummary, progress) -> None:
+def _loop(remote, options, job_ref, shards, tasks: RayTaskOptions, summary: RaySummary, progress) -> None:
     queue = deque(shards)
     inflight: dict[ray.ObjectRef, str] = {}
     try:
         while queue or inflight:
-            while queue and len(inflight) < max_inflight:
+            while queue and len(inflight) < tasks.max_inflight:
                 rel = queue.popleft()
                 summary.attempts[rel] = summary.attempts.get(rel, 0) + 1
                 task = remote.options(**options, name=f"sidecar-shard {rel}")  # the name shows in the dashboard
@@ -195,7 +206,7 @@ def _loop(remote, options, job_ref, shards, max_inflight, max_attempts, summary:
             ready, _ = ray.wait(list(inflight), num_returns=1)
             for ref in ready:
                 rel = inflight.pop(ref)
-                retry = _collect(ref, rel, max_attempts, summary, progress)
+                retry = _collect(ref, rel, tasks.max_attempts, summary, progress)
                 if retry:
                     queue.appendleft(rel)  # retried next, so a crashing shard is settled early
     finally:
@@ -247,4 +258,4 @@ def _note(progress: Progress, message: str) -> None:
         print(f"[ray] {message}", file=progress.stream or sys.stderr, flush=True)
 
 
-__all__ = ["LOST_TASK_ERRORS", "RayConnectionError", "RaySummary", "connect", "run_shards_on_ray"]
+__all__ = ["LOST_TASK_ERRORS", "RayConnectionError", "RaySummary", "RayTaskOptions", "connect", "run_shards_on_ray"]

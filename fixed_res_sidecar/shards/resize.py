@@ -20,7 +20,7 @@ import dataclasses
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +37,8 @@ from fixed_res_sidecar.core.audit import (
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.image_cell import BYTES_FIELD, is_image_type, output_image_type
 from fixed_res_sidecar.core.memory import MemoryBudget
-from fixed_res_sidecar.core.pixels import (
-    ImageResult,
-    PixelOptions,
-    library_versions,
-    pipeline_settings,
-    process_image,
-)
+from fixed_res_sidecar.core.pixel_settings import PixelOptions, library_versions, pipeline_settings
+from fixed_res_sidecar.core.pixels import ImageResult, process_image
 from fixed_res_sidecar.io.parquet import ShardError, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import FAILED_VERIFICATION, encode_settings, resized_sources, staleness
@@ -109,28 +104,41 @@ def build_settings(output: ResizedOutput, options: PixelOptions, key_column: str
     }
 
 
+@dataclass(frozen=True)
+class ResizeTargets:
+    """Which resized outputs of a layout one shard's build writes: those of `resolutions` (None: all of
+    them), less those that skip-existing finds up to date (SPEC 2), except the resolutions in `rebuild`
+    (their verifier failed them: repairing failed shards, `shards.verify.still_failed`)."""
+
+    resolutions: tuple[str, ...] | None = None
+    skip_existing: bool = False
+    rebuild: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Any sequence given (a list of command-line values) is kept as a tuple: the targets stay frozen.
+        if self.resolutions is not None:
+            object.__setattr__(self, "resolutions", tuple(self.resolutions))
+        object.__setattr__(self, "rebuild", tuple(self.rebuild))
+
+
 def build_resized_shard(
     layout: DatasetLayout,
     rel: str,
     *,
-    resolutions: Sequence[str] | None = None,
+    targets: ResizeTargets = ResizeTargets(),
     options: PixelOptions = PixelOptions(),
     threads: int = 1,
-    skip_existing: bool = False,
     memory_gb: float = DEFAULT_TASK_MEMORY_GB,
     on_rows: Callable[[int], None] | None = None,
-    rebuild: Collection[str] = (),
 ) -> ShardResult:
-    """Resize every image of `main/rel` into each resized output of `layout` (or those of
-    `resolutions`), from one decode per image; returns what was done.
-
-    `rebuild`: resolutions rebuilt even when skip-existing finds them up to date (their verifier
-    failed them: repairing failed shards, `shards.verify.still_failed`).
+    """Resize every image of `main/rel` into the resized outputs of `layout` that `targets` name,
+    from one decode per image; returns what was done.
 
     `memory_gb` is the memory of the task running this shard; its images decode within
     `decode_budget_bytes(memory_gb)` (see the module's docstring)."""
     started = time.monotonic()
-    outputs = [layout.resized[name] for name in (resolutions if resolutions is not None else layout.resized)]
+    names = targets.resolutions if targets.resolutions is not None else layout.resized
+    outputs = [layout.resized[name] for name in names]
     if not outputs:
         raise ValueError("at least one output is required")
     layout.check_locations()
@@ -138,8 +146,9 @@ def build_resized_shard(
     rows = source.metadata.num_rows
     sources = resized_sources(layout, rel, source)
     settings = {o: build_settings(o, options, layout.key_column, layout.image_column) for o in outputs}
+    skip_existing = targets.skip_existing
     reasons = {o: staleness(o.location, rel, rows, settings[o], sources) if skip_existing else None for o in outputs}
-    for name in rebuild:
+    for name in targets.rebuild:
         output = layout.resized[name]
         if skip_existing and output in reasons and reasons[output] is None:
             reasons[output] = FAILED_VERIFICATION
@@ -149,8 +158,9 @@ def build_resized_shard(
         for o in outputs
     }
     if todo:
-        budget = MemoryBudget(decode_budget_bytes(memory_gb))
-        _build(source, layout, rel, todo, settings, sources, summaries, options, threads, budget, on_rows)
+        plan = _OutputPlan(todo, settings, sources, summaries)
+        rendering = _Rendering(options, threads, MemoryBudget(decode_budget_bytes(memory_gb)))
+        _build(source, layout, rel, plan, rendering, on_rows)
     return ShardResult(rel, rows, [summaries[o] for o in outputs], time.monotonic() - started, sources)
 
 
@@ -172,18 +182,45 @@ def _open_main_shard(layout: DatasetLayout, rel: str) -> pq.ParquetFile:
     return source
 
 
-def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summaries, options, threads, budget, on_rows):
+@dataclass(frozen=True)
+class _OutputPlan:
+    """The outputs one build writes, what each records in its footer (its build settings and the
+    sources' fingerprints), and the summaries their rows are counted in."""
+
+    outputs: list[ResizedOutput]
+    settings: dict[ResizedOutput, dict[str, Any]]
+    sources: dict[str, Any]
+    summaries: dict[ResizedOutput, OutputSummary]
+
+
+@dataclass(frozen=True)
+class _Rendering:
+    """How a build renders its rows: the pixel options, its threads, and the decode memory budget they share."""
+
+    options: PixelOptions
+    threads: int
+    budget: MemoryBudget
+
+
+def _build(
+    source: pq.ParquetFile,
+    layout: DatasetLayout,
+    rel: str,
+    plan: _OutputPlan,
+    rendering: _Rendering,
+    on_rows: Callable[[int], None] | None,
+) -> None:
     key_column, image_column = layout.key_column, layout.image_column
     key_field = source.schema_arrow.field(key_column)
     main_image_field = source.schema_arrow.field(image_column)
     image_field = main_image_field.with_type(output_image_type(main_image_field.type))
-    areas = [o.area for o in todo]
+    areas = [o.area for o in plan.outputs]
     rows = _iter_rows(source, key_column, image_column)
     with contextlib.ExitStack() as stack:
         writers = []
-        for output in todo:
+        for output in plan.outputs:
             schema = pa.schema([key_field, image_field, *audit_columns(output.audit_prefix)])
-            schema = schema.with_metadata(encode_settings(settings[output], sources))
+            schema = schema.with_metadata(encode_settings(plan.settings[output], plan.sources))
             tmp = stack.enter_context(output.location.write_atomic(rel, protect=layout.read_only))
             writer = pq.ParquetWriter(
                 tmp,
@@ -196,9 +233,13 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summarie
             )
             stack.callback(writer.close)
             writers.append(writer)
+        threads = rendering.threads
         pool = stack.enter_context(ThreadPoolExecutor(threads)) if threads > 1 else None
         results = _ordered_map(
-            pool, lambda row: _process_row(row[1], areas, options, budget), rows, 4 * max(1, threads)
+            pool,
+            lambda row: _process_row(row[1], areas, rendering.options, rendering.budget),
+            rows,
+            4 * max(1, threads),
         )
         # The buffer holds outputs, keys and struct side fields only: source bytes are dropped
         # as soon as their row is processed, so memory is bounded by rows in flight.
@@ -206,8 +247,8 @@ def _build(source, layout: DatasetLayout, rel, todo, settings, sources, summarie
         for (key, _, side_fields), per_area in results:
             buffer.append((key, side_fields, per_area))
             if len(buffer) >= OUTPUT_ROW_GROUP_ROWS:
-                _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
-        _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows)
+                _flush(buffer, plan, writers, key_field, image_field, on_rows)
+        _flush(buffer, plan, writers, key_field, image_field, on_rows)
         # Closing happens before write_atomic publishes: ExitStack unwinds in reverse order.
 
 
@@ -292,17 +333,17 @@ def _release_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-def _flush(buffer, todo, writers, key_field, image_field, summaries, on_rows) -> None:
+def _flush(buffer, plan: _OutputPlan, writers, key_field, image_field, on_rows) -> None:
     if not buffer:
         return
     keys = pa.concat_arrays([key for key, _, _ in buffer])
-    for index, (output, writer) in enumerate(zip(todo, writers)):
+    for index, (output, writer) in enumerate(zip(plan.outputs, writers)):
         results = [per_area[index] for _, _, per_area in buffer]
         images = _image_array([side for _, side, _ in buffer], [r.image for r in results], image_field.type)
         records = [r.record for r in results]
         columns = {key_field.name: keys, image_field.name: images, **audit_arrays(output.audit_prefix, records)}
         writer.write_table(pa.table(columns, schema=writer.schema))
-        summary = summaries[output]
+        summary = plan.summaries[output]
         for record in records:
             if record.valid:
                 summary.valid += 1

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fixed_res_sidecar.core.bbox import CAPTION_FRAMES, DEFAULT_BBOX_KEYS
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError, source_fingerprint, verify_page_checksums
 
 SETTINGS_KEY = b"fixed_res_sidecar.settings"

@@ -1,5 +1,6 @@
 """The real `sidecar-ops` console script, as a user runs it."""
 
+import argparse
 import io
 import os
 import signal
@@ -14,7 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from fixed_res_sidecar.cli import make_parser
 from fixed_res_sidecar.cli.build import format_summary
+from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.s3 import s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
@@ -29,6 +32,7 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
     tree_snapshot,
 )
 from fixed_res_sidecar_tests.fixtures.permissions import WITHOUT_PERMISSION_OVERRIDE, unreadable
+from fixed_res_sidecar_tests.fixtures.pixels import bound_edges
 from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 from fixed_res_sidecar_tests.fixtures.slow_link import slow_uplink
 
@@ -145,6 +149,58 @@ def test_bad_configuration_is_refused_before_any_work(sample_main, tmp_path):
         assert message in result.stderr
     assert not out.exists()
     assert sorted(p for p in Path(sample_main.path).rglob("*")) == before
+
+
+def _build_command(command: str) -> argparse.ArgumentParser:
+    subcommands = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subcommands.choices[command]
+
+
+@pytest.mark.parametrize("command", ["build-0-262mp", "build-1-05mp", "build-both"])
+def test_pixel_flags_refuse_exactly_the_cores_bounds(command, capsys):
+    """The flags' limits and formats are core.pixel_settings's, as the datasets file's are (test_config.py)."""
+    parser = _build_command(command)
+    required = ["--main-prefix", "/m"] + (
+        ["--output-prefix-512", "/a", "--output-prefix-1024", "/b"]
+        if command == "build-both"
+        else ["--output-prefix", "/a"]
+    )
+    for name, bound in SETTING_BOUNDS.items():
+        flag = "--" + name.replace("_", "-")
+        inside, outside = bound_edges(bound)
+        for value in inside:
+            assert getattr(parser.parse_args([*required, flag, str(value)]), name) == value
+        for value in outside:
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([*required, flag, str(value)])
+            assert exited.value.code == 2
+            assert f"argument {flag}: must be {bound.description}, got '{value}'" in capsys.readouterr().err
+    (output_format,) = [a for a in parser._actions if a.dest == "output_format"]
+    assert list(output_format.choices) == list(OUTPUT_FORMATS)
+
+
+def test_every_commands_patch_size_is_held_to_the_cores_bound():
+    subcommands = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    inside, outside = bound_edges(SETTING_BOUNDS["patch_size"])
+    commands = []
+    for command, parser in subcommands.choices.items():
+        for action in parser._actions:
+            if action.dest == "patch_size":
+                commands.append(command)
+                assert [action.type(str(value)) for value in inside] == inside
+                for value in outside:
+                    with pytest.raises(argparse.ArgumentTypeError, match="an integer in 1..4096"):
+                        action.type(str(value))
+    assert {"build-both", "verify-resized", "build-crop-bbox"} <= set(commands)
+
+
+def test_a_patch_size_of_4097_is_refused_before_any_work(sample_main, tmp_path):
+    out = tmp_path / "out"
+    args = ["--main-prefix", sample_main.uri, "--output-prefix", str(out)]
+    result = sidecar_ops("build-0-262mp", *args, "--patch-size", "4097")
+    assert result.returncode == 2, result.stderr
+    assert "argument --patch-size: must be an integer in 1..4096, got '4097'" in result.stderr
+    assert not out.exists()
 
 
 def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):

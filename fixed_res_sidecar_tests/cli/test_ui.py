@@ -19,11 +19,11 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from fixed_res_sidecar import demo
 from fixed_res_sidecar.defs.config import load_config
+from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.keys import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.sensors import AUTOMATION_INTERVAL_SECONDS

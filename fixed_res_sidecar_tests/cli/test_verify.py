@@ -305,6 +305,7 @@ def files_under(location: Location) -> dict[str, object]:
     return {rel: content(rel) for rel in location.list_shards(suffix="")}
 
 
+@pytest.mark.stress
 def test_every_command_rides_out_injected_s3_errors(
     sample_main_template, faulty_s3, fast_retries, s3_bucket, tmp_path, capsys
 ):
@@ -399,6 +400,7 @@ def test_keys_that_are_not_utf8_go_through_sidecar_verifiers_reports_and_overlay
     assert len(list((tmp_path / "overlays").rglob("*.png"))) == 4  # the rows with a resized image
 
 
+@pytest.mark.stress
 def test_a_million_boxes_and_deep_nesting_stay_bounded_through_verify_with_overlays(tmp_path):
     """The real command on captions that stalled it (a million boxes: one picture did not finish in
     300 s) or crashed its overlays (980 levels: RecursionError). Bounded by a generous timeout."""

@@ -11,6 +11,7 @@ from fixed_res_sidecar.core.fidelity import (
     OTHER_PATH_BELOW,
     PSNR_CAP,
     Expected,
+    Rendering,
     decoded,
     difference_image,
     expected_output,
@@ -19,7 +20,8 @@ from fixed_res_sidecar.core.fidelity import (
     score_output,
 )
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.sample_data import make_photo
 from fixed_res_sidecar_tests.fixtures.images import jpeg_bytes, photo_like, png_bytes
 
@@ -38,7 +40,7 @@ def photo() -> bytes:
 def test_the_build_scores_zero_and_the_same_picture_re_encoded_stays_close(photo):
     built = process_image(photo, [AREA_1024, AREA_512], PixelOptions())
     for position, area in enumerate((AREA_1024, AREA_512)):
-        expected, problem = expected_output(photo, area, PixelOptions(), built_with=(AREA_1024, AREA_512))
+        expected, problem = expected_output(photo, Rendering(area, PixelOptions(), built_with=(AREA_1024, AREA_512)))
         assert problem is None and expected.image.size == (built[position].record.width, built[position].record.height)
         result = fidelity(expected, decoded(built[position].image))
         assert result.passed and result.score == 0.0  # the same path, the same encoder: the same bytes
@@ -52,19 +54,21 @@ def test_renders_of_a_source_are_reused_for_the_other_area(photo):
     """The fused render made for one area serves the other: the second needs neither the source nor a
     render, and gives the same expected image as rendering afresh."""
     renders = {}
-    expected_output(photo, AREA_512, PixelOptions(), built_with=(AREA_1024,), renders=renders)
+    expected_output(photo, Rendering(AREA_512, PixelOptions(), built_with=(AREA_1024,)), renders=renders)
     assert len(renders) == 1
-    reused, problem = expected_output(None, AREA_1024, PixelOptions(), built_with=(AREA_512,), renders=renders)
-    fresh, _ = expected_output(photo, AREA_1024, PixelOptions(), built_with=(AREA_512,))
+    reused, problem = expected_output(
+        None, Rendering(AREA_1024, PixelOptions(), built_with=(AREA_512,)), renders=renders
+    )
+    fresh, _ = expected_output(photo, Rendering(AREA_1024, PixelOptions(), built_with=(AREA_512,)))
     assert problem is None and len(renders) == 1
     assert reused.image.tobytes() == fresh.image.tobytes() and reused.fresh_psnr == fresh.fresh_psnr
     # Other settings are another render.
-    expected_output(photo, AREA_1024, PixelOptions(square=True), built_with=(AREA_512,), renders=renders)
+    expected_output(photo, Rendering(AREA_1024, PixelOptions(square=True), built_with=(AREA_512,)), renders=renders)
     assert len(renders) == 2
 
 
 def test_wrong_pictures_score_far_below_the_threshold(photo):
-    expected, _ = expected_output(photo, AREA_512, PixelOptions())
+    expected, _ = expected_output(photo, Rendering(AREA_512, PixelOptions()))
     good = expected.image
     wrong = {
         "rotated": good.transpose(Image.Transpose.ROTATE_180),
@@ -104,15 +108,15 @@ def test_perfect_outputs_of_flat_pictures_pass_whatever_the_encoders_do_above_th
 
 
 def test_a_source_that_gives_no_image_says_why():
-    expected, problem = expected_output(b"not an image", AREA_512, PixelOptions())
+    expected, problem = expected_output(b"not an image", Rendering(AREA_512, PixelOptions()))
     assert expected is None and "decode_error" in problem
 
 
 def test_expected_output_composites_alpha_as_jpeg_output_does():
     source = png_bytes(Image.new("RGBA", (256, 256), (255, 0, 0, 0)))
-    expected, _ = expected_output(source, AREA_512, PixelOptions(output_format="jpeg"))
+    expected, _ = expected_output(source, Rendering(AREA_512, PixelOptions(output_format="jpeg")))
     assert expected.image.mode == "RGB" and expected.image.getpixel((5, 5)) == (255, 255, 255)
-    kept, _ = expected_output(source, AREA_512, PixelOptions())
+    kept, _ = expected_output(source, Rendering(AREA_512, PixelOptions()))
     assert kept.image.mode == "RGBA"
 
 
@@ -132,7 +136,9 @@ def test_a_one_resolution_build_is_scored_against_its_own_rendering_path():
     source = make_photo(1200, 900, 1)[0]
     (alone,) = process_image(source, [AREA_512], PixelOptions())
     stored = decoded(alone.image)
-    fused, _ = expected_output(source, AREA_512, PixelOptions(), built_with=(AREA_1024,))
+    fused, _ = expected_output(source, Rendering(AREA_512, PixelOptions(), built_with=(AREA_1024,)))
     assert fidelity(fused, stored).score < OTHER_PATH_BELOW
-    result, expected = score_output(source, stored, AREA_512, PixelOptions(), built_with=(AREA_1024, AREA_512))
+    result, expected = score_output(
+        source, stored, Rendering(AREA_512, PixelOptions(), built_with=(AREA_1024, AREA_512))
+    )
     assert result.score == 0.0 and expected.image.size == stored.size

@@ -15,6 +15,7 @@ from fixed_res_sidecar.core.overlay import (
     PANEL_WIDTH,
     PLACEHOLDER,
     TITLE_HEIGHT,
+    OverlayRow,
     box_pixels,
     embeddable,
     iter_box_slots,
@@ -24,7 +25,8 @@ from fixed_res_sidecar.core.overlay import (
     panel_size,
     picture_size,
 )
-from fixed_res_sidecar.core.pixels import PixelOptions, process_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar_tests.fixtures.images import png_header_only
 
 GREY = (128, 128, 128)
@@ -64,12 +66,9 @@ def left_edge_pixel(box, origin: tuple[int, int], size) -> tuple[int, int]:
 def test_three_stacked_panels_readable_width_and_box_drawn_in_its_colour_in_each():
     box = (250, 250, 750, 500)  # ymin, xmin, ymax, xmax on the 0..1000 grid
     png = overlay_picture(
-        encoded((768, 384)),
-        caption(box),
-        encoded((512, 256)),
-        caption(box),
-        encoded((1024, 512)),
-        caption(box),
+        OverlayRow(
+            encoded((768, 384)), caption(box), encoded((512, 256)), caption(box), encoded((1024, 512)), caption(box)
+        )
     )
     picture = decode(png)
     size = (PANEL_WIDTH, PANEL_WIDTH // 2)  # all three are 2:1, shown PANEL_WIDTH wide
@@ -91,7 +90,9 @@ def test_same_box_index_same_colour_across_panels_even_when_a_crop_box_is_gone()
     crop = json.dumps({"objects": [{"label": "thing 0", "bbox": None}, {"label": "thing 1", "bbox": list(second)}]})
     picture = decode(
         overlay_picture(
-            encoded((400, 400)), caption(first, second), encoded((400, 400)), crop, encoded((400, 400)), crop
+            OverlayRow(
+                encoded((400, 400)), caption(first, second), encoded((400, 400)), crop, encoded((400, 400)), crop
+            )
         )
     )
     size = (PANEL_WIDTH, PANEL_WIDTH)
@@ -113,7 +114,7 @@ def test_original_is_shown_upright_with_its_boxes_on_the_object():
     exif[0x0112] = 6
     stored.save(out, "PNG", exif=exif.tobytes())
     box = (100, 100, 400, 300)  # the red patch, in the displayed (oriented) frame
-    picture = decode(overlay_picture(out.getvalue(), caption(box), None, None, None, None))
+    picture = decode(overlay_picture(OverlayRow(out.getvalue(), caption(box))))
     size = panel_size(800, 400)  # upright; the stored 400x800 would be shown twice as tall
     placeholder = (PANEL_WIDTH, PANEL_WIDTH // 2)
     assert picture.size == picture_size([size, placeholder, placeholder])
@@ -133,7 +134,7 @@ def test_raw_frame_captions_are_moved_through_the_exif_orientation():
     raw_box = (100, 700, 400, 900)  # ymin, xmin, ymax, xmax on the stored pixels
     # Orientation 6: displayed x = 1000 - raw y (600..900), displayed y = raw x (700..900).
     displayed_box = (700, 600, 900, 900)
-    picture = decode(overlay_picture(out.getvalue(), caption(raw_box), None, None, None, None, caption_frame="raw"))
+    picture = decode(overlay_picture(OverlayRow(out.getvalue(), caption(raw_box)), caption_frame="raw"))
     size = panel_size(800, 400)
     assert picture.getpixel(left_edge_pixel(displayed_box, panel_origins([size])[0], size)) == BOX_COLOURS[0]
 
@@ -146,7 +147,7 @@ def placeholder_panels(picture: Image.Image, sizes) -> list[bool]:
 
 
 def test_missing_and_broken_images_become_placeholder_panels():
-    picture = decode(overlay_picture(None, None, b"not an image", "{not json", encoded((512, 512)), None))
+    picture = decode(overlay_picture(OverlayRow(None, None, b"not an image", "{not json", encoded((512, 512)))))
     sizes = [(PANEL_WIDTH, PANEL_WIDTH // 2)] * 2 + [(PANEL_WIDTH, PANEL_WIDTH)]
     assert picture.size == picture_size(sizes)
     assert placeholder_panels(picture, sizes) == [True, True, False]
@@ -156,7 +157,7 @@ def test_missing_and_broken_images_become_placeholder_panels():
 def test_panel_width_is_configurable_and_tall_images_stay_bounded(width):
     picture = decode(
         overlay_picture(
-            encoded((300, 150)), None, encoded((100, 200)), None, encoded((400, 4000)), None, panel_width=width
+            OverlayRow(encoded((300, 150)), None, encoded((100, 200)), None, encoded((400, 4000))), panel_width=width
         )
     )
     sizes = [panel_size(300, 150, width), panel_size(100, 200, width), panel_size(400, 4000, width)]
@@ -166,7 +167,7 @@ def test_panel_width_is_configurable_and_tall_images_stay_bounded(width):
 
 
 def test_embeddable_pictures_are_webp_at_panel_width():
-    picture = overlay_picture(encoded((1600, 800)), None, None, None, None, None, panel_width=1200)
+    picture = overlay_picture(OverlayRow(encoded((1600, 800))), panel_width=1200)
     small = Image.open(io.BytesIO(embeddable(picture)))
     assert small.format == "WEBP" and small.width == PANEL_WIDTH
 
@@ -195,7 +196,7 @@ def test_crop_list_whose_boxes_all_fell_outside_keeps_the_colours_aligned():
     crop = json.dumps({"group": {"box_2d": [None, None]}, "cat": {"bbox": list(cat)}})
     assert [s.index for s in iter_box_slots(json.loads(crop), crop_frame=True)] == [0, 1, 2]
     picture = decode(
-        overlay_picture(encoded((400, 400)), original, encoded((400, 400)), crop, encoded((400, 400)), crop)
+        overlay_picture(OverlayRow(encoded((400, 400)), original, encoded((400, 400)), crop, encoded((400, 400)), crop))
     )
     size = (PANEL_WIDTH, PANEL_WIDTH)
     for origin in panel_origins([size] * 3):
@@ -218,7 +219,7 @@ def test_orientation_is_read_exactly_as_the_resize_reads_it():
     (result,) = process_image(data, [262144], PixelOptions())
     assert result.record.exif_orientation == 1 and (result.record.src_width, result.record.src_height) == (800, 400)
     box = (100, 100, 400, 300)  # made on the raw pixels, which are also the displayed ones here
-    picture = decode(overlay_picture(data, caption(box), None, None, None, None, caption_frame="raw"))
+    picture = decode(overlay_picture(OverlayRow(data, caption(box)), caption_frame="raw"))
     size = panel_size(800, 400)  # as stored, not turned
     assert picture.size == picture_size([size, (PANEL_WIDTH, PANEL_WIDTH // 2), (PANEL_WIDTH, PANEL_WIDTH // 2)])
     assert picture.getpixel(left_edge_pixel(box, panel_origins([size])[0], size)) == BOX_COLOURS[0]  # not moved
@@ -235,22 +236,22 @@ def test_refused_formats_are_never_decoded(monkeypatch):
         raise AssertionError("an EPS image was handed to Ghostscript")
 
     monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "load", no_ghostscript)
-    picture = decode(overlay_picture(eps(), None, eps(), None, eps(), None))
+    picture = decode(overlay_picture(OverlayRow(eps(), None, eps(), None, eps())))
     sizes = [(PANEL_WIDTH, PANEL_WIDTH // 2)] * 3
     assert placeholder_panels(picture, sizes) == [True, True, True]
 
 
 def test_headers_over_the_pixel_limit_are_not_decoded():
     bomb = png_header_only(40000, 40000)  # a few bytes claiming 1.6 gigapixels: decoding would take GBs
-    picture = decode(overlay_picture(bomb, None, bomb, None, bomb, None))
+    picture = decode(overlay_picture(OverlayRow(bomb, None, bomb, None, bomb)))
     sizes = [(PANEL_WIDTH, PANEL_WIDTH // 2)] * 3
     assert placeholder_panels(picture, sizes) == [True, True, True]
 
     # The limit is configurable: a 300x150 original is refused under 45,000 pixels.
     small = encoded((300, 150))
-    shown = decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=45_000))
+    shown = decode(overlay_picture(OverlayRow(small), max_source_pixels=45_000))
     assert placeholder_panels(shown, sizes) == [False, True, True]
-    refused = decode(overlay_picture(small, None, None, None, None, None, max_source_pixels=44_999))
+    refused = decode(overlay_picture(OverlayRow(small), max_source_pixels=44_999))
     assert placeholder_panels(refused, sizes) == [True, True, True]
 
 
@@ -268,7 +269,7 @@ def test_a_panel_draws_the_boxes_of_the_first_slots_only_and_its_title_says_so()
     size = (400, 400)
     for last_drawn in (MAX_DRAWN_BOXES - 1, MAX_DRAWN_BOXES):
         boxes_in_caption = [corner] * last_drawn + [big]
-        picture = decode(overlay_picture(encoded(size), caption(*boxes_in_caption), None, None, None, None))
+        picture = decode(overlay_picture(OverlayRow(encoded(size), caption(*boxes_in_caption))))
         stroke = picture.getpixel(left_edge_pixel(big, panel_origins([panel_size(*size)])[0], panel_size(*size)))
         drawn = stroke == BOX_COLOURS[last_drawn % len(BOX_COLOURS)]
         assert drawn is (last_drawn < MAX_DRAWN_BOXES)

@@ -11,7 +11,6 @@ from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.history import latest_materialization
 from fixed_res_sidecar.defs.keys import REBUILD_FAILED_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
@@ -278,7 +277,7 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert automation.get_requested_partitions(KEYS.crop_bbox) == set() and automation.total_requested == 0
     alone = run_shard(tiny_defs, instance, "tiny__shard", bad, selection=[KEYS.crop_bbox])
     message = refusal(alone, bad)
-    assert "gated on the verifiers" in message and "tiny/verify_512:keys_match failed" in message
+    assert "gated on the verifiers" in message and "verify_512:keys_match failed" in message
     assert not dataset.output("crop_bbox").exists(bad)
     # The sidecar's checks are not claimed failed: they did not run on anything new.
     crop_checks = [dg.AssetCheckKey(KEYS.crop_bbox, name) for name in verify.CROP_BBOX_CHECKS]
@@ -318,8 +317,8 @@ def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverifi
     alone = run_shard(tiny_defs, instance, "tiny__shard", rel, selection=[KEYS.crop_bbox])
     message = refusal(alone, rel)
     assert "gated on the verifiers" in message
-    assert "tiny/resized_512 was materialised again" in message and "after tiny/verify_512 last verified it" in message
-    assert "tiny/resized_1024" not in message  # 1024 is still verified
+    assert "its 512 output was built again" in message and "after it was verified" in message
+    assert "1024" not in message.split("gated on the verifiers")[1].split("Fix or rebuild")[0]  # 1024 is still verified
     assert Path(crop.child(rel)).stat().st_mtime_ns == crop_mtime  # the sidecar was not touched
 
     # Once the verifier ran on the current build, crop_bbox alone goes through.
@@ -344,7 +343,7 @@ ALL_CHECK_KEYS = [
 
 def run_batch(defs: dg.Definitions, instance, first: str, last: str) -> dg.ExecuteInProcessResult:
     """A run of the shard job over the partitions first..last (in the order they were added)."""
-    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+    from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
     return defs.resolve_job_def("tiny__shard").execute_in_process(
         instance=instance,
@@ -475,23 +474,17 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     logs = [record.user_message for record in instance.all_logs(batch.run_id)]
     assert not [line for line in logs if "did not yield or return expected outputs" in line]
     # The log says which shards were restated and why the other one was not.
-    assert [line.split(":")[0] for line in logs if line.endswith(": up to date, results restated")] == [
+    assert [line.split(":")[0] for line in logs if ": up to date, results restated (built by run " in line] == [
         rel for rel in shards if rel != damaged
     ]
-    assert f"{damaged}: to build: an output changed since it was verified" in logs
-
-    keys = DatasetKeys("tiny")
-    chain = [latest_materialization(instance, key, damaged) for key in (keys.resized("512"), keys.verify("512"))]
-    crop = latest_materialization(instance, keys.crop_bbox, damaged)  # of the first batch: the gate refused it
+    assert f"{damaged}: to build: its 512 output changed since it was verified" in logs
 
     Path(dataset.output("resized_512").child(damaged)).unlink()  # the repair: rebuilt by the next run
     repaired = run_batch(defs, instance, order[0], order[-1])
     assert repaired.success
     logs = [record.user_message for record in instance.all_logs(repaired.run_id)]
-    resized, verified = (f"({record.storage_id}, run {batch.run_id[:8]})" for record in chain)
     assert [line for line in logs if line.startswith(f"{damaged}: to build:")] == [
-        f"{damaged}: to build: not materialised in build order (tiny/resized_512 {resized} < tiny/verify_512 "
-        f"{verified} < tiny/crop_bbox ({crop.storage_id}, run {crop.run_id[:8]}) expected)"
+        f"{damaged}: to build: verify_512:keys_match failed (run {batch.run_id[:8]})"
     ]
     assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, shards).values()) == {"SUCCEEDED"}

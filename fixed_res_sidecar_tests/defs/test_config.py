@@ -8,9 +8,9 @@ import dagster as dg
 import pytest
 import yaml
 
-from fixed_res_sidecar.core import pixels
+from fixed_res_sidecar.core import pixel_settings
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import BACKGROUND_CHANNEL, OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.defs import config as config_module
 from fixed_res_sidecar.defs.config import (
@@ -23,6 +23,7 @@ from fixed_res_sidecar.defs.config import (
 from fixed_res_sidecar.defs.keys import RESOLUTIONS as KEY_RESOLUTIONS
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar_tests.fixtures import REPO_ROOT
+from fixed_res_sidecar_tests.fixtures.pixels import bound_edges
 
 
 def entry(**fields) -> dict:
@@ -193,6 +194,39 @@ def test_bad_fields_are_refused_naming_dataset_and_field(fields, field, words):
     assert words in message
 
 
+@pytest.mark.parametrize("name", list(SETTING_BOUNDS))
+def test_pixel_settings_are_refused_exactly_at_the_cores_bounds(name):
+    """The file's limits are core.pixel_settings.SETTING_BOUNDS: what the pipeline and the command line
+    accept, it accepts, and it refuses the rest before any work."""
+    limits = name in LIMIT_FIELDS
+    field = f"limits.{name}" if limits else name
+
+    def dataset(value) -> dict:
+        return entry(limits={name: value}) if limits else entry(**{name: value})
+
+    inside, outside = bound_edges(SETTING_BOUNDS[name])
+    for value in inside:
+        options = parse_config({"datasets": [dataset(value)]}).datasets[0].pixel_options()
+        assert getattr(options, name) == value
+    for value in outside:
+        assert f"dataset 'laion', field '{field}'" in refused(dataset(value)), value
+
+
+def test_patch_size_4097_and_formats_are_the_cores():
+    assert "dataset 'laion', field 'patch_size'" in refused(entry(patch_size=4097))
+    assert parse_config({"datasets": [entry(patch_size=4096)]}).datasets[0].patch_size == 4096
+    for output_format in OUTPUT_FORMATS:
+        assert (
+            parse_config({"datasets": [entry(output_format=output_format)]}).datasets[0].output_format == output_format
+        )
+    assert f"must be one of {sorted(OUTPUT_FORMATS)}" in refused(entry(output_format="gif"))
+    inside, outside = bound_edges(BACKGROUND_CHANNEL)
+    for value in inside:
+        assert parse_config({"datasets": [entry(background=[value] * 3)]}).datasets[0].background == (value,) * 3
+    for value in outside:
+        assert "dataset 'laion', field 'background" in refused(entry(background=[0, value, 0])), value
+
+
 def test_every_problem_is_listed_at_once():
     message = refused(entry(quality=500), entry(name="b-c", main_prefix="/x", output_root="/y"))
     assert "dataset 'laion', field 'quality'" in message
@@ -282,7 +316,7 @@ def test_pixel_defaults_follow_core_pixels_when_it_changes(monkeypatch):
         patch_size: int = 16
         max_aspect_ratio: float = 4.0
 
-    monkeypatch.setattr(pixels, "PixelOptions", NewDefaults)
+    monkeypatch.setattr(pixel_settings, "PixelOptions", NewDefaults)
     spec = importlib.util.spec_from_file_location("config_with_new_defaults", config_module.__file__)
     fresh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fresh)

@@ -11,14 +11,14 @@ import pyarrow.parquet as pq
 import pytest
 from dagster._core.asset_graph_view.asset_graph_view import AssetGraphView, TemporalContext
 from dagster._core.definitions.data_version import CachingStaleStatusResolver, StaleStatus
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from dagster._time import get_current_datetime
 
+from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+from fixed_res_sidecar.defs.history import REMOVED
 from fixed_res_sidecar.defs.keys import DATASET_TAG, RESOLUTIONS, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.sensors import (
-    REMOVED,
     STATE_KEY,
     ShardCursor,
     automation_sensor,

@@ -36,6 +36,8 @@ from fixed_res_sidecar_tests.fixtures.datasets import (
 )
 from fixed_res_sidecar_tests.fixtures.processes import pool_workers, read_to_eof, started, wait_until_gone
 
+pytestmark = pytest.mark.ray  # every test here starts Ray (the module's cluster, or the command's own)
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -230,12 +232,13 @@ def test_a_job_exception_fails_its_shard_once_and_others_finish(
 
 
 def test_runner_keeps_max_inflight_and_reports_progress(ray_cluster, tmp_path):
-    from fixed_res_sidecar.shards.ray_runner import run_shards_on_ray
+    from fixed_res_sidecar.shards.ray_runner import RayTaskOptions, run_shards_on_ray
 
     shards = ["a.parquet", "bad.parquet", "c.parquet"]
     stream = io.StringIO()
     job = functools.partial(timed_job, log_dir=str(tmp_path))
-    summary = run_shards_on_ray(job, shards, max_inflight=1, task_memory_gb=0.5, progress=Progress(3, stream))
+    tasks = RayTaskOptions(max_inflight=1, task_memory_gb=0.5)
+    summary = run_shards_on_ray(job, shards, tasks=tasks, progress=Progress(3, stream))
 
     assert sorted(summary.results) == ["a.parquet", "c.parquet"]
     assert summary.failures == {"bad.parquet": "ValueError: bad.parquet: not a readable Parquet file"}

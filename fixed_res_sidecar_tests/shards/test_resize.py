@@ -10,14 +10,15 @@ import pytest
 from PIL import Image
 
 from fixed_res_sidecar.core.audit import AUDIT_TYPES, read_audit_records
+from fixed_res_sidecar.core.decoding import MAX_COUNTED_FRAMES, decode_memory_estimate, open_image
 from fixed_res_sidecar.core.geometry import AREA_512, geometry
-from fixed_res_sidecar.core.pixels import MAX_COUNTED_FRAMES, PixelOptions, decode_memory_estimate, open_image
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards import resize
 from fixed_res_sidecar.shards.layout import ResizedOutput
-from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.resize import ResizeTargets, build_resized_shard
 from fixed_res_sidecar.shards.settings import read_settings
 from fixed_res_sidecar_tests.fixtures.datasets import SHARDS, build_all, layout_of, resized_outputs
 from fixed_res_sidecar_tests.fixtures.images import (
@@ -148,7 +149,7 @@ def test_interrupted_build_leaves_nothing_and_rerun_completes(sample_main, tmp_p
         assert not output.location.exists(rel)
         folder = tmp_path / "out" / os.path.relpath(output.location.path, tmp_path / "out")
         assert not folder.exists() or list(folder.iterdir()) == []
-    result = build_resized_shard(layout_of(sample_main, outputs), rel, skip_existing=True)
+    result = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
     assert [o.status for o in result.outputs] == ["built", "built"]
     check_resized_dataset(sample_main, outputs[0], shards=[rel])
 
@@ -158,12 +159,15 @@ def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     rel = SHARDS[0]
     build_resized_shard(layout_of(sample_main, outputs), rel)
     first = outputs[0].location.read_bytes(rel)
-    again = build_resized_shard(layout_of(sample_main, outputs), rel, skip_existing=True)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
     assert [o.status for o in again.outputs] == ["skipped", "skipped"]
     assert outputs[0].location.read_bytes(rel) == first
     # Other settings: rebuilt.
     changed = build_resized_shard(
-        layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True
+        layout_of(sample_main, outputs),
+        rel,
+        options=PixelOptions(quality=80),
+        targets=ResizeTargets(skip_existing=True),
     )
     assert [o.status for o in changed.outputs] == ["built", "built"]
     assert outputs[0].location.read_bytes(rel) != first
@@ -172,7 +176,10 @@ def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     table = pq.ParquetFile(path).read()
     pq.write_table(table.slice(0, 3), path)
     partial = build_resized_shard(
-        layout_of(sample_main, outputs), rel, options=PixelOptions(quality=80), skip_existing=True
+        layout_of(sample_main, outputs),
+        rel,
+        options=PixelOptions(quality=80),
+        targets=ResizeTargets(skip_existing=True),
     )
     assert [o.status for o in partial.outputs] == ["skipped", "built"]
     assert outputs[1].location.parquet_file(rel).metadata.num_rows == 10
@@ -295,7 +302,7 @@ def _peak_rss_of_a_build(main: Location, out, memory_gb: float, threads: int = 4
     script = (
         "import sys\n"
         "from fixed_res_sidecar.io.locations import Location\n"
-        "from fixed_res_sidecar.shards.resize import build_resized_shard\n"
+        "from fixed_res_sidecar.shards.resize import ResizeTargets, build_resized_shard\n"
         "from fixed_res_sidecar_tests.fixtures.datasets import layout_of, resized_outputs\n"
         "main, out, memory_gb, threads = sys.argv[1:]\n"
         "layout = layout_of(Location.parse(main), resized_outputs(out))\n"

@@ -18,6 +18,7 @@ from fixed_res_sidecar.core.fidelity import (
     FIDELITY_MIN_SCORE,
     Expected,
     Fidelity,
+    Rendering,
     Renders,
     decoded,
     score_output,
@@ -25,7 +26,7 @@ from fixed_res_sidecar.core.fidelity import (
 from fixed_res_sidecar.core.image_cell import image_bytes
 from fixed_res_sidecar.core.memory import MemoryBudget
 from fixed_res_sidecar.core.overlay import comparison_picture
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard
@@ -64,6 +65,26 @@ class SharedRenders:
 
 
 @dataclass(frozen=True)
+class StoredSample:
+    """What a fidelity check reads from the resized shard: the sampled rows' stored images (row ->
+    encoded bytes), every row's key, and the build settings its footer records."""
+
+    images: Mapping[int, bytes]
+    keys: list
+    settings: Any
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a fidelity check scores each row: the rendering its shard's footer records, the score a row
+    fails below, and the decode memory budget the expected images are rendered within (None: no limit)."""
+
+    rendering: Rendering
+    min_score: float
+    budget: MemoryBudget | None = None
+
+
+@dataclass(frozen=True)
 class RowScore:
     row: int
     key: Any
@@ -76,46 +97,46 @@ def check_fidelity(
     layout: DatasetLayout,
     rel: str,
     output: ResizedOutput,
-    sampled: Mapping[int, bytes],
-    keys: list,
-    settings: Any,
+    stored: StoredSample,
     min_score: float,
     shared: SharedRenders | None = None,
 ) -> CheckResult:
-    """Score every sampled output (row -> its encoded bytes) against the picture it should show.
+    """Score every sampled output (`stored.images`) against the picture it should show.
     `shared`: what the shard's other resolution's check read and rendered (reused, added to)."""
     uri = output.location.child(rel)
-    options, area, problem = recorded_rendering(settings, output)
+    rendering, problem = recorded_rendering(stored.settings, output)
     if problem:
         return CheckResult(FIDELITY, False, f"{uri}: {problem}: the expected images cannot be derived")
-    rows = sorted(sampled)
+    rows = sorted(stored.images)
     keep = shared is not None and len(rows) <= SHARED_ROWS
     if not keep:  # nothing kept: the renders of every row of a large sample would not fit
         shared = SharedRenders()
     unread = [row for row in rows if row not in shared.sources]
     if unread:
         shared.sources.update(main_images(layout, rel, unread))
-    budget = MemoryBudget(decode_budget_bytes(DEFAULT_TASK_MEMORY_GB))
+    scoring = Scoring(rendering, min_score, MemoryBudget(decode_budget_bytes(DEFAULT_TASK_MEMORY_GB)))
     scored = []
     for row in rows:
         renders = shared.renders.setdefault(row, {}) if keep else None
         source = shared.sources.get(row)
-        scored.append(score_row(row, keys[row], source, sampled[row], area, options, budget, min_score, renders))
+        scored.append(score_row(row, stored.keys[row], source, stored.images[row], scoring, renders))
     return fidelity_result(uri, scored, min_score)
 
 
-def recorded_rendering(settings: Any, output: ResizedOutput) -> tuple[PixelOptions | None, int, str | None]:
-    """(pixel options, target area, None) as the shard's footer records them, or (None, area, why not)."""
+def recorded_rendering(settings: Any, output: ResizedOutput) -> tuple[Rendering | None, str | None]:
+    """(the rendering the shard's footer records, None), or (None, why there is none). Its outputs are
+    taken to be built as a fused build makes them (FUSED_AREAS): the footer does not say, and
+    `score_output` tries the one-area path too."""
     if not isinstance(settings, dict):
-        return None, output.area, "it records no build settings"
+        return None, "it records no build settings"
     try:
         options = PixelOptions.from_values(settings)
     except (TypeError, ValueError) as exc:
-        return None, output.area, f"its recorded build settings are not usable ({describe(exc)})"
+        return None, f"its recorded build settings are not usable ({describe(exc)})"
     area = settings.get("target_area", output.area)
     if area != output.area:
-        return None, output.area, f"it records target area {area}, its dataset's is {output.area}"
-    return options, area, None
+        return None, f"it records target area {area}, its dataset's is {output.area}"
+    return Rendering(area, options, FUSED_AREAS), None
 
 
 def main_images(layout: DatasetLayout, rel: str, rows: list[int]) -> dict[int, bytes | None]:
@@ -126,17 +147,9 @@ def main_images(layout: DatasetLayout, rel: str, rows: list[int]) -> dict[int, b
 
 
 def score_row(
-    row: int,
-    key: Any,
-    source: bytes | None,
-    stored: bytes,
-    area: int,
-    options: PixelOptions,
-    budget: MemoryBudget | None,
-    min_score: float,
-    renders: Renders | None = None,
+    row: int, key: Any, source: bytes | None, stored: bytes, scoring: Scoring, renders: Renders | None = None
 ) -> RowScore:
-    scored = scored_images(source, stored, area, options, budget, min_score, renders)
+    scored = scored_images(source, stored, scoring, renders)
     if isinstance(scored, str):
         return RowScore(row, key, None, None, scored)
     result = scored[0]
@@ -144,20 +157,14 @@ def score_row(
 
 
 def scored_images(
-    source: bytes | None,
-    stored: bytes,
-    area: int,
-    options: PixelOptions,
-    budget: MemoryBudget | None,
-    min_score: float,
-    renders: Renders | None = None,
+    source: bytes | None, stored: bytes, scoring: Scoring, renders: Renders | None = None
 ) -> tuple[Fidelity, Expected, Image.Image] | str:
     """(the score, the expected output, the stored one decoded), or why they cannot be compared."""
     try:
         stored_image = decoded(stored)
     except Exception as exc:  # noqa: BLE001 - a stored image that does not decode fails this row
         return f"the stored image does not decode: {describe(exc)}"
-    scored = score_output(source, stored_image, area, options, budget, FUSED_AREAS, min_score, renders)
+    scored = score_output(source, stored_image, scoring.rendering, scoring.budget, scoring.min_score, renders)
     if isinstance(scored, str):
         return scored
     return (*scored, stored_image)
@@ -214,16 +221,15 @@ def write_fidelity_pictures(
     with open_shard(output.location, rel, "output") as parquet_file:
         settings = read_settings(parquet_file)
         stored = read_rows(parquet_file, rows, [layout.image_column])
-    options, area, problem = recorded_rendering(settings, output)
+    rendering, problem = recorded_rendering(settings, output)
     if problem:
         raise ShardError(f"{output.location.child(rel)}: {problem}")
+    scoring = Scoring(rendering, min_score)
     sources = main_images(layout, rel, rows)
     written = []
     for entry in failing:
         row = entry["row"]
-        scored = scored_images(
-            sources.get(row), image_bytes(stored[row][layout.image_column]), area, options, None, min_score
-        )
+        scored = scored_images(sources.get(row), image_bytes(stored[row][layout.image_column]), scoring)
         if isinstance(scored, str):
             continue
         result, expected, stored_image = scored

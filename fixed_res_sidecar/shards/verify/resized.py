@@ -31,14 +31,14 @@ from fixed_res_sidecar.core.audit import (
     audit_type_problems,
     audit_values,
 )
+from fixed_res_sidecar.core.decoding import open_image
 from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE
 from fixed_res_sidecar.core.geometry import geometry, near_target_area
 from fixed_res_sidecar.core.image_cell import has_image, image_bytes_array, is_image_type
-from fixed_res_sidecar.core.pixels import open_image
 from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.settings import read_settings, read_sources, resized_sources, stale_sources
-from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, check_fidelity
+from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, StoredSample, check_fidelity
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
     MAX_EXAMPLES,
@@ -298,7 +298,8 @@ def _check_fidelity(
     compared = options.fidelity_sample if options.sample is not None else None  # --sample all: every row
     rows = sample_rows(sorted(shard.sampled), compared, rel)  # a subset of the decoded sample, the same every run
     sampled = {row: shard.sampled[row] for row in rows}
-    return check_fidelity(layout, rel, output, sampled, keys, shard.settings, options.fidelity_min_score, shared)
+    stored = StoredSample(sampled, keys, shard.settings)
+    return check_fidelity(layout, rel, output, stored, options.fidelity_min_score, shared)
 
 
 def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckResult:

@@ -9,7 +9,7 @@ from PIL import Image
 
 from benchmarks.damage import DAMAGE
 from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import verify_page_checksums
 from fixed_res_sidecar.shards.resize import build_resized_shard

@@ -12,7 +12,7 @@ from PIL import Image
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.geometry import geometry
-from fixed_res_sidecar.core.pixels import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import StorageError
@@ -20,7 +20,7 @@ from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
-from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.resize import ResizeTargets, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     AUDIT_CONSISTENT,
     CROP_BBOX_CHECKS,
@@ -272,7 +272,7 @@ def test_s3_verify_and_summary(sidecar_build, s3_bucket):
     # local copies are stale until rebuilt from the S3 ones.
     stale = verify_resized_shard(layout, REL, "512")
     assert_failed(stale, SHARD_COMPLETE, roots["512"], containing="is stale: built from another version of main")
-    build_resized_shard(layout, REL, resolutions=["512"], skip_existing=True)
+    build_resized_shard(layout, REL, targets=ResizeTargets(resolutions=["512"], skip_existing=True))
     report = verify_resized_shard(layout, REL, "512")
     assert report.passed, [c.message for c in report.failed_checks]
     assert report.shard == f"s3://{s3_bucket}/data/512/{REL}"
@@ -388,6 +388,7 @@ def on_s3(sidecar_build, bucket: str) -> dict[str, Location]:
     return roots
 
 
+@pytest.mark.stress
 def test_verifier_and_gate_ride_out_injected_s3_errors(sidecar_build, faulty_s3, fast_retries, s3_bucket):
     """500/503 with an error body longer than the range, on the first small ranged GET of every
     object and range size and on the first GET of every object: the same reports as without."""

@@ -1,0 +1,88 @@
+"""Every private Dagster name the package uses, behind one door, each with why no public API serves.
+
+Dagster's private modules (`dagster._...`) change between releases without notice. Importing them
+here only means a Dagster upgrade fails in one place, at import, and
+`fixed_res_sidecar_tests/defs/test_dagster_private.py` exercises each name so that a changed
+behaviour fails there too. Checked first against the public API of 1.13 (`DagsterInstance.
+fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
+`get_latest_materialization_event`, `get_status_by_partition`, `dg.RunsFilter`, `dg.SubmitRunContext`):
+
+- `CODE_VERSION_TAG`, `NULL_EVENT_POINTER`, `get_input_data_version_tag`, `get_input_event_pointer_tag`:
+  the data provenance tags of a materialization. A batch step records its shards with explicit
+  AssetMaterializations, which Dagster tags only for the step's own outputs; these are the tag
+  names it writes there (the UI's Unsynced state reads them), with no public constant or builder.
+- `AssetCheckEvaluationTargetMaterializationData`: links a check result to the materialization it
+  evaluated; `dg.AssetCheckEvaluation` takes it as `target_materialization_data`, but the type is
+  not exported.
+- `PartitionKeyFilter`, `AssetCheckExecutionRecordStatus`: the latest *completed* result of a
+  check for one partition. Only the event log storage's `get_asset_check_execution_history` filters
+  by status and partition, with these types (`get_asset_check_partition_info` gives the latest
+  execution, which a run in progress has only planned).
+- `BulkActionsFilter`, `BulkActionStatus`: backfills in progress (the audit's "under way");
+  `DagsterInstance.get_backfills` is public, its filter and status types are not.
+- `ASSET_PARTITION_RANGE_START_TAG`, `ASSET_PARTITION_RANGE_END_TAG`: the tags of a run over a range
+  of partitions; a sensor's RunRequest for a range sets them itself (RunRequest has no range argument).
+- `set_auto_materialize_paused`: the local instance's legacy "auto-materialize paused" flag (the
+  demo clears it so that the UI does not say automation is off); the UI's switch, no public API.
+- `PARENT_RUN_ID_TAG`, `RETRY_NUMBER_TAG`, `MAX_RETRIES_TAG`: the tags run retries write on a retry
+  (its parent, its number) and read on a failed run (how often it may be retried); the run
+  coordinator tells an automatic retry from a user's re-execution by them, and the load guard sets
+  `dagster/max_retries` to 0 on a run whose code cannot load. Dagster documents the tag names
+  (the run retries guide) but exports no constant.
+- `LaunchRunContext`, `ResumeRunContext`: what a run launcher's `launch_run` / `resume_run` take;
+  the Ray launcher (`ray_launcher.py`) passes dagster-ray's launcher a copy with the run's
+  environment added. Run launchers are a documented extension point, their context types are not
+  exported.
+- `ExecuteRunArgs`, `ResumeRunArgs`: the serialized arguments of `dagster api execute_run` /
+  `resume_run`; a run worker whose code cannot load finds its run id and instance in them
+  (`load_guard.py`): nothing else of Dagster's has run in that process yet.
+- `InstanceRef`: what `DagsterInstance.get_ref()` returns, the picklable way to the instance that a
+  run fence's commit check carries to the step's shard worker processes (`fencing.OwnerCheck`).
+"""
+
+from dagster._core.definitions.asset_checks.asset_check_evaluation import (
+    AssetCheckEvaluationTargetMaterializationData,
+)
+from dagster._core.definitions.data_version import (
+    CODE_VERSION_TAG,
+    NULL_EVENT_POINTER,
+    get_input_data_version_tag,
+    get_input_event_pointer_tag,
+)
+from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.launcher import LaunchRunContext, ResumeRunContext
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    MAX_RETRIES_TAG,
+    PARENT_RUN_ID_TAG,
+    RETRY_NUMBER_TAG,
+)
+from dagster._daemon.asset_daemon import set_auto_materialize_paused
+from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
+
+__all__ = [
+    "ASSET_PARTITION_RANGE_END_TAG",
+    "ASSET_PARTITION_RANGE_START_TAG",
+    "CODE_VERSION_TAG",
+    "MAX_RETRIES_TAG",
+    "NULL_EVENT_POINTER",
+    "PARENT_RUN_ID_TAG",
+    "RETRY_NUMBER_TAG",
+    "AssetCheckEvaluationTargetMaterializationData",
+    "AssetCheckExecutionRecordStatus",
+    "BulkActionStatus",
+    "BulkActionsFilter",
+    "ExecuteRunArgs",
+    "InstanceRef",
+    "LaunchRunContext",
+    "PartitionKeyFilter",
+    "ResumeRunArgs",
+    "ResumeRunContext",
+    "get_input_data_version_tag",
+    "get_input_event_pointer_tag",
+    "set_auto_materialize_paused",
+]
