@@ -53,6 +53,7 @@ DATASETS = {  # one per test
     "ray_node_kill": SLOW_SHARD,
     "ray_raylet_kill": SLOW_SHARD,
 }
+RAY_JOB_ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
 TEMPORARY = re.compile(r"-(\d+)-[0-9a-f]{8}\.tmp$")  # io/locations.py: .<name>.<machine>-<pid>-<uuid8>.tmp
 
 
@@ -95,6 +96,12 @@ def cluster(two_node_ray_cluster) -> RayCluster:
 def ray_job(cluster: RayCluster, run_id: str) -> dict:
     with urllib.request.urlopen(f"{cluster.dashboard_url}/api/jobs/dagster-run-{run_id}", timeout=10) as response:
         return json.loads(response.read())
+
+
+def ended_ray_job(cluster: RayCluster, run_id: str, timeout: float = 60) -> dict:
+    """The run's Ray job once it ended (a run's end is stored before its worker process exits)."""
+    return wait_until(lambda: (job := ray_job(cluster, run_id))["status"] in RAY_JOB_ENDED and job, timeout,
+                      f"the Ray job of run {run_id} to end")  # fmt: skip
 
 
 def run_workers(node: RayNode) -> dict[int, str]:
@@ -202,7 +209,7 @@ def test_a_backfill_runs_as_ray_jobs_and_records_every_shard(deployment, cluster
         # Each run was one Ray job, which succeeded; the jobs used both nodes.
         nodes = set()
         for run in runs:
-            job = ray_job(cluster, run.run_id)
+            job = ended_ray_job(cluster, run.run_id)
             assert job["status"] == "SUCCEEDED" and job["metadata"]["dagster/run-id"] == run.run_id, job
             assert job["entrypoint"].startswith("dagster api execute_run"), job["entrypoint"][:200]
             # The datasets file came with the job (the nodes have no SIDECAR_DATASETS of their own).
@@ -267,7 +274,7 @@ def assert_recovered(deployment, cluster, name: str, outcome: dict) -> None:
         assert run.status == dg.DagsterRunStatus.FAILURE
         assert retry.status == dg.DagsterRunStatus.SUCCESS, engine_messages(instance, retry.run_id)
         assert retry.tags["dagster/retry_number"] == "1" and retry.tags[PARTITION_NAME_TAG] == run.tags[PARTITION_NAME_TAG]
-        assert ray_job(cluster, run.run_id)["status"] == "FAILED"
+        assert ended_ray_job(cluster, run.run_id)["status"] == "FAILED"
         # The killed run stays failed (nothing of it lived on to write its end), recorded nothing, and its
         # shard was built by the retry alone; every shard once.
         assert instance.get_run_by_id(run.run_id).status == dg.DagsterRunStatus.FAILURE

@@ -13,6 +13,7 @@ from dagster._core.remote_representation.external_data import RepositorySnap
 from dagster._grpc.types import ExecuteRunArgs
 from dagster._serdes import serialize_value
 
+from fixed_res_sidecar.defs import dagster_private as private
 from fixed_res_sidecar.defs import load_guard
 from fixed_res_sidecar.defs.code_location import (
     DATASETS_TEXT_ENV,
@@ -109,7 +110,7 @@ def test_a_run_worker_that_cannot_load_marks_its_run_not_to_be_retried(instance,
     as_run_worker(monkeypatch, instance, run.run_id)
     with pytest.raises(ConfigError), load_guard.load_failures_not_retried():
         raise ConfigError("/srv/datasets.yaml: no such datasets file")
-    assert instance.get_run_by_id(run.run_id).tags[load_guard.MAX_RETRIES_TAG] == "0"
+    assert instance.get_run_by_id(run.run_id).tags[private.MAX_RETRIES_TAG] == "0"
     instance.report_run_failed(instance.get_run_by_id(run.run_id))  # what Dagster does next
     assert instance.get_run_by_id(run.run_id).tags["dagster/will_retry"] == "false"
     messages = [e.message for e in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT)]
@@ -121,7 +122,7 @@ def test_a_failure_that_may_pass_is_left_to_the_retries(instance, monkeypatch):
     as_run_worker(monkeypatch, instance, run.run_id)
     with pytest.raises(OSError), load_guard.load_failures_not_retried():
         raise OSError("a mount that did not answer")
-    assert load_guard.MAX_RETRIES_TAG not in instance.get_run_by_id(run.run_id).tags
+    assert private.MAX_RETRIES_TAG not in instance.get_run_by_id(run.run_id).tags
     instance.report_run_failed(instance.get_run_by_id(run.run_id))
     assert instance.get_run_by_id(run.run_id).tags["dagster/will_retry"] == "true"
 
