@@ -137,9 +137,7 @@ def shard_runs(instance, name: str) -> list[dg.DagsterRun]:
 
 def build_counts(instance, name: str) -> dict[str, dict[str, int]]:
     """Per shard, per output asset: how many runs built it (restatements and skips are not builds)."""
-    return {
-        rel: {key.path[-1]: len(built_by(instance, key, rel)) for key in output_asset_keys(name)} for rel in SHARDS
-    }
+    return {rel: {key.path[-1]: len(built_by(instance, key, rel)) for key in output_asset_keys(name)} for rel in SHARDS}
 
 
 def assert_built_once(instance, name: str) -> dict[str, dict[str, int]]:
@@ -273,7 +271,9 @@ def assert_recovered(deployment, cluster, name: str, outcome: dict) -> None:
     with deployment.instance() as instance:
         assert run.status == dg.DagsterRunStatus.FAILURE
         assert retry.status == dg.DagsterRunStatus.SUCCESS, engine_messages(instance, retry.run_id)
-        assert retry.tags["dagster/retry_number"] == "1" and retry.tags[PARTITION_NAME_TAG] == run.tags[PARTITION_NAME_TAG]
+        assert (
+            retry.tags["dagster/retry_number"] == "1" and retry.tags[PARTITION_NAME_TAG] == run.tags[PARTITION_NAME_TAG]
+        )
         assert ended_ray_job(cluster, run.run_id)["status"] == "FAILED"
         # The killed run stays failed (nothing of it lived on to write its end), recorded nothing, and its
         # shard was built by the retry alone; every shard once.
@@ -358,7 +358,7 @@ def test_the_cli_on_the_cluster_survives_a_worker_node_kill(cluster, slow_main, 
     with open(tmp_path / "cli.log", "wb") as log:
         process = subprocess.Popen(args, env=cluster.env, stdout=subprocess.PIPE, stderr=log, start_new_session=True)
         try:
-            path, pid = wait_until(lambda: writing_on(node, out) or (process.poll() is not None and ("ended", 0)),
+            path, _pid = wait_until(lambda: writing_on(node, out) or (process.poll() is not None and ("ended", 0)),
                                    120, "a task on the worker node to write a shard", interval=0.05)  # fmt: skip
             assert path != "ended", (tmp_path / "cli.log").read_text()[-3000:]
             node.kill()

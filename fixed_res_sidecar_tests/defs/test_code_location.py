@@ -95,7 +95,9 @@ def instance(tmp_path):
 
 def as_run_worker(monkeypatch, instance, run_id: str) -> None:
     """This process's argv as a launcher starts a run worker: `dagster api execute_run ARGS`."""
-    origin = JobPythonOrigin("tiny__shard", RepositoryPythonOrigin(sys.executable, ModuleCodePointer("m", "defs", None)))
+    origin = JobPythonOrigin(
+        "tiny__shard", RepositoryPythonOrigin(sys.executable, ModuleCodePointer("m", "defs", None))
+    )
     args = ExecuteRunArgs(job_origin=origin, run_id=run_id, instance_ref=instance.get_ref())
     monkeypatch.setattr(sys, "argv", ["dagster", "api", "execute_run", serialize_value(args)])
 

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import time
 import uuid
-from pathlib import Path
 from types import SimpleNamespace
 
 import dagster as dg
@@ -134,7 +133,9 @@ def test_a_worker_whose_ray_parent_dies_is_killed(instance, tmp_path):
 
     def launcher(args):
         quoted = " ".join(f"'{a}'" for a in args)
-        supervisor = f"import subprocess, time; subprocess.Popen(['/bin/sh', '-c', {quoted!r} + '; true']); time.sleep(120)"
+        supervisor = (
+            f"import subprocess, time; subprocess.Popen(['/bin/sh', '-c', {quoted!r} + '; true']); time.sleep(120)"
+        )
         return [sys.executable, "-c", supervisor]
 
     run = started_run(instance)
@@ -156,7 +157,7 @@ def _check_in_child(check: OwnerCheck, queue) -> None:
     try:
         check()
         queue.put("owner")
-    except Exception as exc:  # noqa: BLE001 - reported to the test, whatever it is
+    except Exception as exc:
         queue.put(f"{type(exc).__name__}: {exc}")
 
 

@@ -13,7 +13,6 @@ import pytest
 from dagster._core.code_pointer import ModuleCodePointer
 from dagster._core.events import EngineEventData
 from dagster._core.instance.ref import InstanceRef
-from dagster._core.launcher import LaunchRunContext
 from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
 from dagster._core.remote_origin import GrpcServerCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 from dagster._core.storage.tags import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
@@ -79,7 +78,9 @@ def submitted_env(launcher, run, workspace) -> tuple[dict, dict]:
 
 def test_the_job_gets_the_datasets_file_of_the_code_location(launcher):
     run = run_with(launcher_tags(2, 3, dataset="tiny"))
-    job, env = submitted_env(launcher, run, workspace_publishing({RUN_ENV_METADATA_KEY: dg.MetadataValue.json(RUN_ENV)}))
+    job, env = submitted_env(
+        launcher, run, workspace_publishing({RUN_ENV_METADATA_KEY: dg.MetadataValue.json(RUN_ENV)})
+    )
     assert {k: env[k] for k in RUN_ENV} == RUN_ENV
     assert env["DAGSTER_PG_HOST"] == "pg" and env["DAGSTER_COMPUTE_LOG_BUCKET"] == "logs"  # deploy's env_vars
     assert (job["entrypoint_num_cpus"], job["entrypoint_memory"]) == (2.0, 3 * 2**30)  # the dataset's tag
@@ -142,7 +143,9 @@ def submit(instance, run) -> dg.DagsterRun:
 
 
 def test_a_retry_of_a_run_that_could_not_load_is_canceled_unlaunched(instance):
-    wrapped = error("DagsterImportError", "Encountered ImportError", cause=error("ModuleNotFoundError", "fixed_res_sidecar"))
+    wrapped = error(
+        "DagsterImportError", "Encountered ImportError", cause=error("ModuleNotFoundError", "fixed_res_sidecar")
+    )
     parent = failed_to_load(instance, wrapped)
     retry = submit(instance, retry_of(instance, parent))
     assert retry.status == dg.DagsterRunStatus.CANCELED  # never queued, never launched
