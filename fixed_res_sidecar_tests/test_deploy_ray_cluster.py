@@ -48,10 +48,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray_cluster]
 RUN_TIMEOUT = 240.0
 SHARDS = [f"part-{i}.parquet" for i in range(4)]
 RUN_RESOURCES = {"cpu": 1, "memory_gb": 1}  # one run per node at a time (1 CPU each)
-DATASETS = {  # one per test
-    "ray_backfill": {},
-    "ray_node_kill": SLOW_SHARD,
-    "ray_raylet_kill": SLOW_SHARD,
+# One dataset per test: its shards and what else its config says. The kill tests have one shard per
+# node (both runs start at once, one on each node: the worker node's is the one killed).
+DATASETS = {
+    "ray_backfill": (SHARDS, {}),
+    "ray_node_kill": (SHARDS[:2], SLOW_SHARD),
+    "ray_raylet_kill": (SHARDS[:2], SLOW_SHARD),
 }
 RAY_JOB_ENDED = {"SUCCEEDED", "FAILED", "STOPPED"}
 TEMPORARY = re.compile(r"-(\d+)-[0-9a-f]{8}\.tmp$")  # io/locations.py: .<name>.<machine>-<pid>-<uuid8>.tmp
@@ -66,12 +68,12 @@ def deployment(two_node_ray_cluster, postgres_server, tmp_path_factory):
         with fresh_database(postgres_server) as database:
             settings = InstanceSettings(max_concurrent_runs=2, per_dataset_limit=2)
             with ray_deployment(two_node_ray_cluster, database, root / "deployment", settings) as deployment:
-                entries = [tiny_dataset(root, name, SHARDS, run_resources=RUN_RESOURCES, **extra)
-                           for name, extra in DATASETS.items()]  # fmt: skip
+                entries = [tiny_dataset(root, name, shards, run_resources=RUN_RESOURCES, **extra)
+                           for name, (shards, extra) in DATASETS.items()]  # fmt: skip
                 deployment.config = datasets_config(deployment, *entries)
                 with deployment.instance() as instance:
                     for name in DATASETS:
-                        assert register(instance, deployment.config, name) == SHARDS
+                        assert register(instance, deployment.config, name) == shards_of(name)
                 started = time.monotonic()
                 deployment.start_code_server()
                 deployment.start_webserver()
@@ -91,6 +93,10 @@ def cluster(two_node_ray_cluster) -> RayCluster:
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+
+def shards_of(name: str) -> list[str]:
+    return DATASETS[name][0]
 
 
 def ray_job(cluster: RayCluster, run_id: str) -> dict:
@@ -137,7 +143,10 @@ def shard_runs(instance, name: str) -> list[dg.DagsterRun]:
 
 def build_counts(instance, name: str) -> dict[str, dict[str, int]]:
     """Per shard, per output asset: how many runs built it (restatements and skips are not builds)."""
-    return {rel: {key.path[-1]: len(built_by(instance, key, rel)) for key in output_asset_keys(name)} for rel in SHARDS}
+    return {
+        rel: {key.path[-1]: len(built_by(instance, key, rel)) for key in output_asset_keys(name)}
+        for rel in shards_of(name)
+    }
 
 
 def assert_built_once(instance, name: str) -> dict[str, dict[str, int]]:
@@ -230,7 +239,7 @@ def kill_mid_run(deployment, cluster: RayCluster, name: str, kill) -> dict:
     output_root = Path(deployment.config.dataset(name).output("resized_512").path).parents[1]
     node = cluster.worker
     launched = time.monotonic()
-    launch_backfill(deployment, name, SHARDS)
+    launch_backfill(deployment, name, shards_of(name))
     with deployment.instance() as instance:
         path, pid = wait_until(lambda: writing_on(node, output_root), RUN_TIMEOUT,
                                "a run on the worker node to write an output", interval=0.05,
@@ -258,7 +267,7 @@ def kill_mid_run(deployment, cluster: RayCluster, name: str, kill) -> dict:
         timeline["retry started"] = retry_record.start_time - killed_at
         timeline["retry done"] = retry_record.end_time - killed_at
         wait_until(lambda: all(r.is_finished for r in shard_runs(instance, name)) and len(
-            [r for r in shard_runs(instance, name) if r.status == dg.DagsterRunStatus.SUCCESS]) == len(SHARDS),
+            [r for r in shard_runs(instance, name) if r.status == dg.DagsterRunStatus.SUCCESS]) == len(shards_of(name)),
             RUN_TIMEOUT, "every shard's run to succeed", detail=deployment.report)  # fmt: skip
         wait_idle(deployment, instance)
         timeline["all done"] = time.monotonic() - killed
@@ -287,8 +296,8 @@ def assert_recovered(deployment, cluster, name: str, outcome: dict) -> None:
             by_rel[r.tags[PARTITION_NAME_TAG]].append(r.status.value)
         print(f"runs per shard: {dict(by_rel)}")
         assert_built_once(instance, name)
-        assert_shards_complete(instance, deployment.config, {name: SHARDS})
-        assert_outputs_whole(deployment.config.dataset(name), SHARDS)
+        assert_shards_complete(instance, deployment.config, {name: shards_of(name)})
+        assert_outputs_whole(deployment.config.dataset(name), shards_of(name))
     output_root = Path(deployment.config.dataset(name).output("resized_512").path).parents[1]
     assert not temporaries(output_root), temporaries(output_root)
     assert_no_run_worker_left(cluster)
