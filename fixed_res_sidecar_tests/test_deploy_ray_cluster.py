@@ -24,8 +24,9 @@ from pathlib import Path
 import dagster as dg
 import pyarrow.parquet as pq
 import pytest
-from dagster._core.storage.tags import PARENT_RUN_ID_TAG, PARTITION_NAME_TAG
+from dagster._core.storage.tags import PARTITION_NAME_TAG
 
+from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG
 from fixed_res_sidecar.defs.keys import DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RAY_CONFIG_TAG
 from fixed_res_sidecar_tests.defs.conftest import register

@@ -15,11 +15,11 @@ from dagster._core.events import EngineEventData
 from dagster._core.instance.ref import InstanceRef
 from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
 from dagster._core.remote_origin import GrpcServerCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
-from dagster._core.storage.tags import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
 from dagster._utils.error import SerializableErrorInfo
 
 from fixed_res_sidecar.defs import run_coordinator
 from fixed_res_sidecar.defs.code_location import RUN_ENV_METADATA_KEY
+from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
 from fixed_res_sidecar.defs.ray_launcher import SidecarRayRunLauncher
 from fixed_res_sidecar.defs.run_resources import RAY_CONFIG_TAG, launcher_tags
 
@@ -137,9 +137,7 @@ def error(cls_name: str, message: str, cause=None) -> SerializableErrorInfo:
 
 
 def submit(instance, run) -> dg.DagsterRun:
-    from dagster._core.run_coordinator import SubmitRunContext
-
-    return instance.run_coordinator.submit_run(SubmitRunContext(run, workspace=None))
+    return instance.run_coordinator.submit_run(dg.SubmitRunContext(run, workspace=None))
 
 
 def test_a_retry_of_a_run_that_could_not_load_is_canceled_unlaunched(instance):
