@@ -344,6 +344,7 @@ def test_a_run_that_cannot_load_its_code_location_is_not_retried(deployment, clu
 
         run = wait_until(failed_run, RUN_TIMEOUT, "the broken run to fail", detail=deployment.report)
         wait_idle(deployment, instance)
+        run = instance.get_run_by_id(run.run_id)  # its tags as they ended (will_retry follows the status)
         print(f"\nthe run failed {time.monotonic() - started:.1f} s after its launch; no retry")
         assert run.tags.get("dagster/max_retries") == "0" and run.tags.get("dagster/will_retry") == "false"
         assert not instance.get_runs(dg.RunsFilter(tags={PARENT_RUN_ID_TAG: run.run_id}))

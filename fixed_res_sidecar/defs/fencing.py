@@ -66,7 +66,9 @@ FENCE_ENV = "SIDECAR_RUN_FENCE"  # "0": never kill; "1": kill even outside a ded
 RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor in the entrypoint's environment
 PARENT_POLL_SECONDS = 0.2
 STATUS_POLL_SECONDS = 1.0
-CHECK_STORAGE_BUDGET_SECONDS = 60.0  # a commit waits this long for storage to confirm ownership
+# A commit waits as long for storage to confirm ownership as the step waits to record its shards
+# (history.STORAGE_RETRY's budget, None here): an outage the recording would outlast does not fail the commit.
+CHECK_STORAGE_BUDGET_SECONDS: float | None = None
 OWNED = dg.DagsterRunStatus.STARTED
 LOST = {dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
 SHELLS = {"sh", "dash", "bash"}
@@ -148,7 +150,7 @@ def dedicated_run_worker() -> bool:
 # -- ownership -----------------------------------------------------------------------------------------
 
 
-def _status(instance: dg.DagsterInstance, run_id: str, budget: float) -> dg.DagsterRunStatus | None:
+def _status(instance: dg.DagsterInstance, run_id: str, budget: float | None) -> dg.DagsterRunStatus | None:
     """The run's status now; None when storage did not answer within `budget` s."""
     from fixed_res_sidecar.defs.history import EventLogUnavailable, storage_call
 
@@ -239,7 +241,7 @@ class RunFence:
                 )
         return None
 
-    def reason(self, budget: float = CHECK_STORAGE_BUDGET_SECONDS) -> str | None:
+    def reason(self, budget: float | None = CHECK_STORAGE_BUDGET_SECONDS) -> str | None:
         """Why this worker may not commit now (None: it still owns its run); a fresh status read."""
         if self.lost is None:
             self.lost = self.parent_gone()
