@@ -392,3 +392,33 @@ def test_the_cli_on_the_cluster_survives_a_worker_node_kill(cluster, slow_main, 
         for output in out.glob("*/sample"):
             table = pq.read_table(output / rel, columns=["image_key"])
             assert table.num_rows == SLOW_ROWS and table.column(0).to_pylist() == main_keys, (output, rel)
+
+
+def test_the_cli_submitted_as_a_ray_job_builds_every_shard(cluster, slow_main, tmp_path):
+    """What docs/ray.md advises instead of Ray Client: the command submitted to the job server (its
+    driver runs on the cluster; Ray sets RAY_ADDRESS for it, so no --ray-address)."""
+    import shlex
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_ROWS, SLOW_SHARDS
+    from fixed_res_sidecar_tests.shards.test_ray_runner import build_both
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "fixed_res_sidecar.cli",
+               *build_both(slow_main, out, "--use-ray", "--task-cpus", "1", "--task-memory-gb", "1")]  # fmt: skip
+    client = JobSubmissionClient(cluster.dashboard_url)
+    started = time.monotonic()
+    job_id = client.submit_job(entrypoint=shlex.join(command), entrypoint_num_cpus=0)
+    status = wait_until(lambda: (s := client.get_job_status(job_id)).is_terminal() and s, 180,
+                        "the submitted command to end", interval=0.5)  # fmt: skip
+    logs = client.get_job_logs(job_id)
+    print(f"\nsubmitted command ended {time.monotonic() - started:.1f} s after its submission: {status}")
+    assert status == JobStatus.SUCCEEDED, logs[-3000:]
+    assert f"{len(SLOW_SHARDS)} total, {len(SLOW_SHARDS)} built, 0 skipped, 0 failed" in logs
+    assert not temporaries(out)
+    for rel in SLOW_SHARDS:
+        main_keys = pq.read_table(slow_main.child(rel), columns=["image_key"]).column(0).to_pylist()
+        for output in out.glob("*/sample"):
+            table = pq.read_table(output / rel, columns=["image_key"])
+            assert table.num_rows == SLOW_ROWS and table.column(0).to_pylist() == main_keys, (output, rel)
