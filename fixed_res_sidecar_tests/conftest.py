@@ -7,6 +7,7 @@ pytest_plugins = [
     "fixed_res_sidecar_tests.fixtures.faulty_s3",
     "fixed_res_sidecar_tests.fixtures.postgres",
     "fixed_res_sidecar_tests.fixtures.dagster_deployment",
+    "fixed_res_sidecar_tests.fixtures.ray_cluster",
 ]
 
 # The test tiers (markers registered in pyproject.toml). A test that starts one of these servers or
@@ -20,6 +21,7 @@ FIXTURE_MARKERS = {
     "private_dagster_deployment": "deployment",
     "browser": "browser",
     "ray_cluster": "ray",
+    "two_node_ray_cluster": "ray_cluster",
 }
 # Every marker of a tier that `-m "not slow"` (the developer loop) leaves out.
 SLOW_MARKERS = {"postgres", "deployment", "browser", "ray", "ray_cluster", "image", "install", "benchmark", "stress"}

@@ -67,7 +67,7 @@ def test_every_section_validates(kind, tmp_path, env):
     ref = instance_ref(kind, tmp_path)
     expected = {
         "storage_data": "DagsterPostgresStorage",
-        "run_launcher_data": {"k8s": "K8sRunLauncher", "ray": "RayRunLauncher"}[kind],
+        "run_launcher_data": {"k8s": "K8sRunLauncher", "ray": "SidecarRayRunLauncher"}[kind],
         "run_coordinator_data": "DatasetRunCoordinator",
         "compute_logs_data": "S3ComputeLogManager",
     }
@@ -182,7 +182,7 @@ def test_ray_run_jobs_get_the_dataset_resources(tmp_path, env):
 def test_the_two_instances_differ_only_in_the_run_launcher():
     k8s, ray = (yaml.safe_load((DEPLOY / name).read_text()) for name in (INSTANCES["k8s"], INSTANCES["ray"]))
     assert k8s.pop("run_launcher")["class"] == "K8sRunLauncher"
-    assert ray.pop("run_launcher")["class"] == "RayRunLauncher"
+    assert ray.pop("run_launcher")["class"] == "SidecarRayRunLauncher"
     assert k8s == ray
 
 

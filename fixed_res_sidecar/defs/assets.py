@@ -21,6 +21,12 @@
   run, which names it alone; a shard no longer in main is skipped with an observation.
 - `audit`: the dataset audit (defs/dataset_audit.py), one per dataset.
 
+The shard step runs inside its run's fence (defs/fencing.py): every output it publishes (in this
+process or in its shard worker processes) is published only while the run is still this worker's
+(`io.locations.commit_guard`), and it records its shards only then; a run worker orphaned by a dead
+raylet is killed before it writes again. So a run that monitoring failed and retried is built, and
+recorded as built, by its retry alone.
+
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
 """
 
@@ -47,6 +53,7 @@ from fixed_res_sidecar.defs.checks import (
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
+from fixed_res_sidecar.defs.fencing import current_fence, fenced
 from fixed_res_sidecar.defs.history import (
     RESTATED_FROM_ID,
     RESTATED_FROM_RUN,
@@ -61,7 +68,7 @@ from fixed_res_sidecar.defs.history import (
 from fixed_res_sidecar.defs.ledger import CHECKS, Action, CheckState, Decision, ShardLedger
 from fixed_res_sidecar.defs.names import REBUILD_FAILED_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
-from fixed_res_sidecar.io.locations import Location
+from fixed_res_sidecar.io.locations import Location, commit_guard
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.pipeline import (
     PipelineOptions,
@@ -164,7 +171,9 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         can_subset=True,
         backfill_policy=dg.BackfillPolicy.multi_run(dataset.shards_per_run),
     )
+    @fenced
     def _shards(context: dg.AssetExecutionContext, sidecar: SidecarRuntime) -> Iterator:
+        fence = current_fence()
         context.log.addFilter(_per_shard_check_results)
         stages = selected_stages(keys, context.selected_asset_keys)
         options = PipelineOptions(
@@ -206,9 +215,10 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         gates = {rel: list(gate) for rel in todo if (gate := decisions[rel].gate) is not None}
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
-        outcomes, failures = _run(dataset, todo, stages, options, gates, workers)
+        outcomes, failures = _run(dataset, todo, stages, options, gates, workers, fence.commit_check)
         # The work may have outlasted a storage outage: record it once the event log answers again.
         wait_for_storage(context.instance)
+        fence.check()  # a worker that lost its run meanwhile records nothing
         for rel, reason in failures.items():
             infra[rel] = [reason]
         for rel in todo:
@@ -245,20 +255,24 @@ def selected_stages(keys: DatasetKeys, selected: Set[dg.AssetKey]) -> Stages:
     )
 
 
-def _run(dataset, rels, stages, options, gates, workers) -> tuple[dict[str, ShardOutcome], dict[str, str]]:
-    """Run the stages for every shard: in this process, or in worker processes (spawned per run)."""
+def _run(
+    dataset, rels, stages, options, gates, workers, commit_check=None
+) -> tuple[dict[str, ShardOutcome], dict[str, str]]:
+    """Run the stages for every shard: in this process, or in worker processes (spawned per run); each
+    output is published only if `commit_check()` (the run fence's, picklable) does not raise."""
     if not rels:
         return {}, {}
     if workers == 1:
         outcomes, failures = {}, {}
-        for rel in rels:
-            try:
-                outcomes[rel] = run_stages(dataset.layout, rel, stages, options, gates.get(rel))
-            except Exception as exc:  # noqa: BLE001 - one shard's failure must not lose the others' results
-                failures[rel] = describe_exception(exc, max_chars=500)
+        with commit_guard(commit_check):
+            for rel in rels:
+                try:
+                    outcomes[rel] = run_stages(dataset.layout, rel, stages, options, gates.get(rel))
+                except Exception as exc:  # noqa: BLE001 - one shard's failure must not lose the others' results
+                    failures[rel] = describe_exception(exc, max_chars=500)
         return outcomes, failures
     summary = run_shards(
-        _StagesJob(dataset.layout, stages, options, gates),
+        _StagesJob(dataset.layout, stages, options, gates, commit_check),
         rels,
         workers=workers,
         progress=Progress(len(rels), quiet=True),
@@ -269,11 +283,13 @@ def _run(dataset, rels, stages, options, gates, workers) -> tuple[dict[str, Shar
 class _StagesJob:
     """`run_stages` for one shard, as the picklable job the process runner takes."""
 
-    def __init__(self, layout, stages, options, gates):
+    def __init__(self, layout, stages, options, gates, commit_check=None):
         self.layout, self.stages, self.options, self.gates = layout, stages, options, gates
+        self.commit_check = commit_check
 
     def __call__(self, rel: str) -> ShardOutcome:
-        return run_stages(self.layout, rel, self.stages, self.options, self.gates.get(rel))
+        with commit_guard(self.commit_check):
+            return run_stages(self.layout, rel, self.stages, self.options, self.gates.get(rel))
 
 
 # -- events ------------------------------------------------------------------------------------

@@ -24,6 +24,20 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
   of partitions; a sensor's RunRequest for a range sets them itself (RunRequest has no range argument).
 - `set_auto_materialize_paused`: the local instance's legacy "auto-materialize paused" flag (the
   demo clears it so that the UI does not say automation is off); the UI's switch, no public API.
+- `PARENT_RUN_ID_TAG`, `RETRY_NUMBER_TAG`, `MAX_RETRIES_TAG`: the tags run retries write on a retry
+  (its parent, its number) and read on a failed run (how often it may be retried); the run
+  coordinator tells an automatic retry from a user's re-execution by them, and the load guard sets
+  `dagster/max_retries` to 0 on a run whose code cannot load. Dagster documents the tag names
+  (the run retries guide) but exports no constant.
+- `LaunchRunContext`, `ResumeRunContext`: what a run launcher's `launch_run` / `resume_run` take;
+  the Ray launcher (`ray_launcher.py`) passes dagster-ray's launcher a copy with the run's
+  environment added. Run launchers are a documented extension point, their context types are not
+  exported.
+- `ExecuteRunArgs`, `ResumeRunArgs`: the serialized arguments of `dagster api execute_run` /
+  `resume_run`; a run worker whose code cannot load finds its run id and instance in them
+  (`load_guard.py`): nothing else of Dagster's has run in that process yet.
+- `InstanceRef`: what `DagsterInstance.get_ref()` returns, the picklable way to the instance that a
+  run fence's commit check carries to the step's shard worker processes (`fencing.OwnerCheck`).
 """
 
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
@@ -37,20 +51,37 @@ from dagster._core.definitions.data_version import (
 )
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.launcher import LaunchRunContext, ResumeRunContext
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    MAX_RETRIES_TAG,
+    PARENT_RUN_ID_TAG,
+    RETRY_NUMBER_TAG,
+)
 from dagster._daemon.asset_daemon import set_auto_materialize_paused
+from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
 
 __all__ = [
     "ASSET_PARTITION_RANGE_END_TAG",
     "ASSET_PARTITION_RANGE_START_TAG",
     "CODE_VERSION_TAG",
+    "MAX_RETRIES_TAG",
     "NULL_EVENT_POINTER",
+    "PARENT_RUN_ID_TAG",
+    "RETRY_NUMBER_TAG",
     "AssetCheckEvaluationTargetMaterializationData",
     "AssetCheckExecutionRecordStatus",
     "BulkActionStatus",
     "BulkActionsFilter",
+    "ExecuteRunArgs",
+    "InstanceRef",
+    "LaunchRunContext",
     "PartitionKeyFilter",
+    "ResumeRunArgs",
+    "ResumeRunContext",
     "get_input_data_version_tag",
     "get_input_event_pointer_tag",
     "set_auto_materialize_paused",

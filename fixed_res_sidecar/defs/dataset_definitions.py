@@ -63,7 +63,15 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
     )
 
 
-def build_definitions(config: SidecarConfig) -> dg.Definitions:
-    """All datasets of a config, merged, with the shared resources and the in-process executor."""
+def build_definitions(config: SidecarConfig, run_env: dict[str, str] | None = None) -> dg.Definitions:
+    """All datasets of a config, merged, with the shared resources and the in-process executor.
+
+    `run_env`: what this code location's runs need to load the same definitions wherever they run
+    (`code_location.code_location_config`), published as the definitions' metadata for the run
+    launcher (`ray_launcher.py`)."""
+    from fixed_res_sidecar.defs.code_location import RUN_ENV_METADATA_KEY
+
     merged = dg.Definitions.merge(*(dataset_definitions(d) for d in config.datasets))
-    return dg.Definitions.merge(merged, dg.Definitions(resources=default_resources(), executor=dg.in_process_executor))
+    metadata = {RUN_ENV_METADATA_KEY: dg.MetadataValue.json(run_env)} if run_env else None
+    shared = dg.Definitions(resources=default_resources(), executor=dg.in_process_executor, metadata=metadata)
+    return dg.Definitions.merge(merged, shared)

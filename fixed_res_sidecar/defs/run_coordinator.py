@@ -14,12 +14,20 @@ under way. Configure it in dagster.yaml:
 
 Runs executed in process (`dagster asset materialize`, `execute_in_process`) do not pass through
 a coordinator.
+
+It also refuses to launch a retry that would fail as its parent did: a parent whose worker could not
+load the job ("Could not load job definition." with an error that repeats: a missing or invalid
+datasets file, a module missing from the image) and never started a step. The retry is canceled
+at once, saying why, and never reaches the run launcher (`deterministic_parent_failure`). Workers
+that load this package mark such runs not to be retried before they fail (`load_guard.py`); this
+covers the workers that cannot.
 """
 
 import functools
 
 import dagster as dg
 
+from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG, dataset_run_tags
 
 
@@ -40,6 +48,11 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
 
     def submit_run(self, context: dg.SubmitRunContext) -> dg.DagsterRun:
         run = context.dagster_run
+        if why := deterministic_parent_failure(self._instance, run):
+            message = f"Not launched: this retry would fail as its parent did ({why})."
+            self._instance.report_engine_event(message, run)
+            self._instance.report_run_canceled(run, message=message)
+            return self._instance.get_run_by_id(run.run_id) or run  # None: deleted meanwhile
         if DATASET_TAG not in run.tags:
             tags = tags_for(run)
             if tags:
@@ -77,3 +90,50 @@ def _datasets() -> dict:
         return {dataset.name: dataset for dataset in load_config().datasets}
     except ConfigError:
         return {}
+
+
+# "Could not load job definition." (dagster._grpc.impl.core_execute_run): the run worker's load failed.
+LOAD_FAILURE_MESSAGE = "Could not load job definition."
+# Errors of a load that repeat (by class name, anywhere in the error's cause chain)...
+DETERMINISTIC_LOAD_ERRORS = frozenset(
+    {"ConfigError", "ImportError", "ModuleNotFoundError", "SyntaxError", "ValidationError",
+     "DagsterInvalidDefinitionError", "DagsterInvalidConfigError", "NameError", "AttributeError"}
+)  # fmt: skip
+# ...unless one that may pass is in it too (storage, network, the code server).
+TRANSIENT_LOAD_ERRORS = frozenset(
+    {"OperationalError", "InterfaceError", "ConnectionError", "TimeoutError", "OSError", "EventLogUnavailable",
+     "DagsterUserCodeUnreachableError", "DagsterUserCodeProcessError"}
+)  # fmt: skip
+
+
+def _error_classes(error) -> set[str]:
+    names, todo = set(), [error]
+    while todo:
+        current = todo.pop()
+        if current is None:
+            continue
+        names.add(current.cls_name or "")
+        todo += [current.cause, current.context]
+    return names
+
+
+def deterministic_parent_failure(instance: dg.DagsterInstance, run: dg.DagsterRun) -> str | None:
+    """Why retry `run` would fail as its parent did (a load failure that repeats), or None."""
+    parent_id = run.tags.get(PARENT_RUN_ID_TAG)
+    if parent_id is None or RETRY_NUMBER_TAG not in run.tags:
+        return None  # not an automatic retry: a user's re-execution is theirs to decide
+    events = instance.all_logs(parent_id, of_type={dg.DagsterEventType.ENGINE_EVENT, dg.DagsterEventType.STEP_START})
+    if any(e.dagster_event and e.dagster_event.event_type == dg.DagsterEventType.STEP_START for e in events):
+        return None
+    for entry in events:
+        event = entry.dagster_event
+        if entry.message != LOAD_FAILURE_MESSAGE or event is None:
+            continue
+        error = event.engine_event_data.error
+        if error is None:
+            continue
+        classes = _error_classes(error)
+        if classes & DETERMINISTIC_LOAD_ERRORS and not classes & TRANSIENT_LOAD_ERRORS:
+            first = (error.message or "").strip().splitlines()
+            return f"run {parent_id} could not load its job: {first[0] if first else error.cls_name}"[:1000]
+    return None

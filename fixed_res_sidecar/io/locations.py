@@ -7,6 +7,11 @@ AWS chain, `AWS_ENDPOINT_URL` included, and retry transient errors with backoff 
 S3 reads also retry the one transient error pyarrow's client does not (io/retry.py). Reading
 or listing that still fails raises `StorageError`. What interrupted writes leave, and how it
 is removed: io/leftovers.py.
+
+Commits can be guarded (`commit_guard`): a callable that raises to forbid the commit is called
+right before every `write_atomic` publishes (the rename, the upload). A Dagster run's step installs
+its run fence's ownership check there (defs/fencing.py), so a run worker that lost its run (failed
+by monitoring, retried elsewhere) never publishes a shard the retry builds.
 """
 
 import contextlib
@@ -15,7 +20,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -47,6 +52,28 @@ from fixed_res_sidecar.io.uploads import upload_file
 SHARD_SUFFIX = ".parquet"
 S3_KEY_MAX_BYTES = 1024
 S3_READ_RETRY = RetryPolicy(S3_MAX_ATTEMPTS)  # the same attempts and backoff as boto3's standard mode
+
+
+_COMMIT_GUARDS: list[Callable[[], None]] = []  # this process's, innermost last
+
+
+@contextlib.contextmanager
+def commit_guard(check: Callable[[], None] | None) -> Iterator[None]:
+    """While inside: `check()` runs right before each `write_atomic` of this process publishes, and what
+    it raises aborts that write (the temporary is removed, nothing appears at the final name)."""
+    if check is None:
+        yield
+        return
+    _COMMIT_GUARDS.append(check)
+    try:
+        yield
+    finally:
+        _COMMIT_GUARDS.remove(check)
+
+
+def _before_commit() -> None:
+    for check in list(_COMMIT_GUARDS):
+        check()
 
 
 class ShardEntry(NamedTuple):
@@ -325,6 +352,7 @@ class Location:
         try:
             yield str(tmp)
             _refuse_protected_real_path(final, protect)
+            _before_commit()
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
@@ -339,6 +367,7 @@ class Location:
         tmp = os.path.join(tmp_dir, fitting_name(PurePosixPath(rel).name, NAME_MAX_BYTES - len(UPLOAD_RECORD_SUFFIX)))
         try:
             yield tmp
+            _before_commit()
             upload_file(s3_client(), tmp, self.bucket, key)
         finally:
             if os.path.exists(tmp + UPLOAD_RECORD_SUFFIX):  # an upload that could not be aborted: keep its record

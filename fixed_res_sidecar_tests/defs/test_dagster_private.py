@@ -1,6 +1,8 @@
 """Each private Dagster name the package uses (defs/dagster_private.py) still means what the package
 relies on, on a real instance: a Dagster upgrade that changes one fails here, by name."""
 
+import sys
+
 import dagster as dg
 import pytest
 from dagster._daemon.asset_daemon import get_auto_materialize_paused
@@ -109,3 +111,63 @@ def test_the_auto_materialize_paused_flag(instance):
     assert get_auto_materialize_paused(instance)
     private.set_auto_materialize_paused(instance, False)
     assert not get_auto_materialize_paused(instance)
+
+
+@dg.asset
+def fails_once() -> None:
+    raise ValueError("a data failure")
+
+
+@dg.asset
+def succeeds() -> None:
+    return None
+
+
+def test_retry_tags_are_the_ones_run_retries_read_and_write(tmp_path):
+    """MAX_RETRIES_TAG on a failed run decides whether it will be retried (the load guard sets it to 0)."""
+    overrides = {"run_retries": {"enabled": True, "max_retries": 2}}
+    with dg.instance_for_test(overrides=overrides, temp_dir=str(tmp_path)) as instance:
+        will_retry = {}
+        for value in ("0", "1"):
+            result = dg.materialize([fails_once], instance=instance, tags={private.MAX_RETRIES_TAG: value},
+                                    raise_on_error=False)  # fmt: skip
+            will_retry[value] = instance.get_run_by_id(result.run_id).tags.get("dagster/will_retry")
+        assert will_retry == {"0": "false", "1": "true"}
+    # The names Dagster's run retries guide documents; the Ray cluster tests read them on real retries.
+    assert (private.PARENT_RUN_ID_TAG, private.RETRY_NUMBER_TAG) == ("dagster/parent_run_id", "dagster/retry_number")
+
+
+def _job_of_succeeds():
+    return dg.Definitions(assets=[succeeds], jobs=[dg.define_asset_job("job_of_succeeds")]).resolve_job_def(
+        "job_of_succeeds"
+    )
+
+
+def test_run_worker_arguments_and_the_instance_ref_round_trip(instance):
+    """What `dagster api execute_run` is given (ExecuteRunArgs / ResumeRunArgs, serialized) carries the
+    run id and an InstanceRef that opens the same instance (the load guard's and the fence's way in)."""
+    import pickle
+
+    from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin  # test-only: building an origin
+
+    ref = instance.get_ref()
+    assert isinstance(ref, private.InstanceRef)
+    assert pickle.loads(pickle.dumps(ref)) == ref
+    origin = JobPythonOrigin("job", RepositoryPythonOrigin(sys.executable, ModuleCodePointer("m", "defs", None)))
+    for kind in (private.ExecuteRunArgs, private.ResumeRunArgs):
+        text = dg.serialize_value(kind(job_origin=origin, run_id="r-1", instance_ref=ref))
+        args = dg.deserialize_value(text, (private.ExecuteRunArgs, private.ResumeRunArgs))
+        assert type(args) is kind and args.run_id == "r-1"
+        with dg.DagsterInstance.from_ref(args.instance_ref) as again:
+            assert again.get_ref() == ref
+
+
+def test_launch_and_resume_contexts_are_what_a_launcher_is_given(instance):
+    """The contexts a run launcher's launch_run / resume_run take: the run and the workspace (the Ray
+    launcher passes dagster-ray a copy with another run)."""
+    run = instance.create_run_for_job(_job_of_succeeds())
+    launch = private.LaunchRunContext(dagster_run=run, workspace=None)
+    resume = private.ResumeRunContext(dagster_run=run, workspace=None, resume_attempt_number=1)
+    assert launch.dagster_run.run_id == resume.dagster_run.run_id == run.run_id
+    assert launch.workspace is None and resume.resume_attempt_number == 1

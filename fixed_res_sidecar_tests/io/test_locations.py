@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location
+from fixed_res_sidecar.io.locations import Location, LocationError, check_output_location, commit_guard
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.runner import Terminated
 from fixed_res_sidecar_tests.fixtures.datasets import touch
@@ -77,6 +77,35 @@ def test_write_atomic_publishes_whole_or_nothing(tmp_path):
     location.write_bytes("a/b.parquet", b"whole")
     assert location.read_bytes("a/b.parquet") == b"whole"
     assert location.size("a/b.parquet") == 5
+
+
+class Lost(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_commit_guard_that_refuses_publishes_nothing(where, tmp_path, request):
+    """A run fence's check (io.locations.commit_guard) runs right before the rename / the upload: when it
+    refuses, nothing appears at the final name and no temporary is left; outside the guard writes go on."""
+    if where == "s3":
+        location = Location.parse(f"s3://{request.getfixturevalue('s3_bucket')}/out")
+    else:
+        location = Location.parse(tmp_path / "out")
+    calls = []
+
+    def owner_lost():
+        calls.append(1)
+        raise Lost("the run is FAILURE elsewhere")
+
+    with commit_guard(owner_lost), pytest.raises(Lost), location.write_atomic("a/b.parquet") as tmp:
+        Path(tmp).write_bytes(b"whole, but no longer ours")
+    assert calls == [1] and not location.exists("a/b.parquet")
+    if where == "local":
+        assert list((tmp_path / "out" / "a").iterdir()) == []
+    with commit_guard(lambda: None):
+        location.write_bytes("a/b.parquet", b"ours")
+    location.write_bytes("a/c.parquet", b"unguarded")
+    assert location.read_bytes("a/b.parquet") == b"ours" and location.exists("a/c.parquet")
 
 
 def test_write_path_refuses_protected_location(tmp_path):
