@@ -21,7 +21,7 @@ REBUILD_FAILED_TAG = "sidecar/rebuild_failed"
 
 # The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
 # one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).
-RESOLUTION_NAMES: tuple[str, ...] = tuple(resolutions.RESOLUTIONS)
+RESOLUTION_NAMES = resolutions.RESOLUTION_NAMES
 
 
 @dataclass(frozen=True)
