@@ -42,8 +42,9 @@ def test_a_non_editable_install_runs_the_demo_and_the_code_location_outside_the_
 
 PILLOW_SIMD = "pillow-simd==12.1.1.post0"
 # Top-level modules the package imports only where an extra provides them, each behind an ImportError
-# that names the extra: the Ray runner (--use-ray) and dagster-postgres's error type.
-EXTRA_IMPORTS = {"ray": "ray", "dagster_postgres": "deploy"}
+# that names the extra: the Ray runner (--use-ray) and dagster-postgres's error type; or in a module
+# only a production instance loads (defs/ray_launcher.py, named by deploy/dagster-ray.yaml).
+EXTRA_IMPORTS = {"ray": "ray", "dagster_postgres": "deploy", "dagster_ray": "deploy"}
 
 
 def _project() -> dict:
