@@ -357,7 +357,7 @@ def test_a_run_that_cannot_load_its_code_location_is_not_retried(deployment, clu
 
 
 def test_the_cli_on_the_cluster_survives_a_worker_node_kill(cluster, slow_main, tmp_path):
-    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_ROWS, SLOW_SHARDS
+    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_SHARDS
     from fixed_res_sidecar_tests.shards.test_ray_runner import build_both
 
     out = tmp_path / "out"
@@ -387,9 +387,18 @@ def test_the_cli_on_the_cluster_survives_a_worker_node_kill(cluster, slow_main, 
     assert "retrying" in stderr  # the shard of the lost node ran again
     assert f"{len(SLOW_SHARDS)} total, {len(SLOW_SHARDS)} built, 0 skipped, 0 failed" in stdout.decode()
     assert not temporaries(out)
+    _assert_every_row_kept(slow_main, out)
+
+
+def _assert_every_row_kept(slow_main, out: Path) -> None:
+    """Both resolutions' outputs of every slow shard hold every row of main, keys in main's order."""
+    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_ROWS, SLOW_SHARDS
+
+    outputs = sorted(out.glob("*/sample"))
+    assert len(outputs) == 2, outputs  # the 512 and the 1024 output
     for rel in SLOW_SHARDS:
         main_keys = pq.read_table(slow_main.child(rel), columns=["image_key"]).column(0).to_pylist()
-        for output in out.glob("*/sample"):
+        for output in outputs:
             table = pq.read_table(output / rel, columns=["image_key"])
             assert table.num_rows == SLOW_ROWS and table.column(0).to_pylist() == main_keys, (output, rel)
 
@@ -401,7 +410,7 @@ def test_the_cli_submitted_as_a_ray_job_builds_every_shard(cluster, slow_main, t
 
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_ROWS, SLOW_SHARDS
+    from fixed_res_sidecar_tests.fixtures.datasets import SLOW_SHARDS
     from fixed_res_sidecar_tests.shards.test_ray_runner import build_both
 
     out = tmp_path / "out"
@@ -417,8 +426,4 @@ def test_the_cli_submitted_as_a_ray_job_builds_every_shard(cluster, slow_main, t
     assert status == JobStatus.SUCCEEDED, logs[-3000:]
     assert f"{len(SLOW_SHARDS)} total, {len(SLOW_SHARDS)} built, 0 skipped, 0 failed" in logs
     assert not temporaries(out)
-    for rel in SLOW_SHARDS:
-        main_keys = pq.read_table(slow_main.child(rel), columns=["image_key"]).column(0).to_pylist()
-        for output in out.glob("*/sample"):
-            table = pq.read_table(output / rel, columns=["image_key"])
-            assert table.num_rows == SLOW_ROWS and table.column(0).to_pylist() == main_keys, (output, rel)
+    _assert_every_row_kept(slow_main, out)
