@@ -1,4 +1,8 @@
+import sqlite3
+
 import pytest
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 pytest_plugins = [
     "fixed_res_sidecar_tests.fixtures.images",
@@ -25,6 +29,10 @@ FIXTURE_MARKERS = {
 }
 # Every marker of a tier that `-m "not slow"` (the developer loop) leaves out.
 SLOW_MARKERS = {"postgres", "deployment", "browser", "ray", "ray_cluster", "image", "install", "benchmark", "stress"}
+# Tests holding these run one after another on one pytest-xdist worker (the group "deployment"): one
+# whole deployment at a time on this machine (`deployment_slot`; the 2-node Ray cluster's deployment
+# takes the same lock), without the other worker waiting for the lock.
+ONE_AT_A_TIME_FIXTURES = {"deployment_slot", "two_node_ray_cluster"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
@@ -35,3 +43,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(FIXTURE_MARKERS[fixture])
         if any(item.get_closest_marker(name) for name in SLOW_MARKERS):
             item.add_marker("slow")
+        if group := _xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """`--dist loadgroup` (pyproject): each test goes to whichever worker is free, but the deployments
+    run one at a time on one worker, and the tests of a module that share a module fixture (the UI's
+    `dagster dev`, a Ray cluster, the image) stay on one worker, so that fixture is made once."""
+    fixtures = getattr(item, "_fixtureinfo", None)
+    definitions = fixtures.name2fixturedefs if fixtures is not None else {}
+    if ONE_AT_A_TIME_FIXTURES & set(definitions):
+        return "deployment"
+    if any(defs and defs[-1].scope == "module" for defs in definitions.values()):
+        return item.module.__name__
+    return None
+
+
+# A test instance's SQLite storage (`dg.instance_for_test`, the demo's Dagster home) need not survive a
+# power cut: no sync to disk on commit. SQLite otherwise syncs its write-ahead log on every commit,
+# about 1,000 fdatasync calls per shard run in process (1-2 ms each on this machine's disk).
+@event.listens_for(Engine, "connect")
+def _sqlite_without_sync(connection, _record) -> None:
+    if isinstance(connection, sqlite3.Connection):
+        connection.execute("PRAGMA synchronous=OFF")

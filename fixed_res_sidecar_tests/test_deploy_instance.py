@@ -9,7 +9,11 @@ for; nothing is timed.
 """
 
 import os
+import re
+import shlex
+import shutil
 import signal
+import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -28,15 +32,17 @@ from fixed_res_sidecar.defs.ledger import Action
 from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
 from fixed_res_sidecar.shards.pipeline import PipelineOptions, Stages, StoredOutputs
 from fixed_res_sidecar_tests.defs.conftest import TINY_SIZES, check_partition_status, dataset_entry, register
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CLUSTER_ONLY,
     DEPLOY_INSTANCE,
+    REPO,
     InstanceSettings,
     wait_until,
 )
+from fixed_res_sidecar_tests.fixtures.docs import documented_command
 from fixed_res_sidecar_tests.fixtures.postgres import restart_postgres, stop_postgres
 
 RUN_TIMEOUT = 240.0  # generous: a tiny shard's run takes seconds, a queue wait and a process start a few more
@@ -439,3 +445,57 @@ def test_a_storage_outage_mid_run_leaves_no_built_shard_unrecorded(private_dagst
         for rel in shards:
             statuses = [r.status for r in runs if r.job_name == keys.shard_job and r.tags[PARTITION_NAME_TAG] == rel]
             assert dg.DagsterRunStatus.SUCCESS in statuses, (rel, statuses)
+
+
+def test_the_documented_dagster_commands_build_their_shards(dagster_deployment, tmp_path):
+    """docs/dagster.md's `dagster asset materialize` and `dagster job backfill` as written, from a folder
+    holding the repository's workspace.yaml, on the deployment's instance (its daemon starts the backfill's
+    queued runs), then its `dagster sensor start`, which finds the shard added since: every shard of the
+    sample ends built, verified and cropped, each output built once."""
+    later = "part-00001.parquet"  # added to main after the backfill, for the discovery sensor
+    sensor = {"interval_seconds": 5, "default_status": "stopped"}
+    entry = tiny_dataset(tmp_path, "sample", [rel for rel in DEFAULT_SHARDS if rel != later], sensor=sensor)
+    config = datasets_config(dagster_deployment, entry)
+    dataset, keys = config.dataset("sample"), DatasetKeys("sample")
+    with dagster_deployment.instance() as instance:
+        register(instance, config)
+    dagster_deployment.start_code_server()
+    dagster_deployment.start_daemon()
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(REPO / "workspace.yaml", checkout)
+
+    def dagster(command: str) -> None:
+        result = subprocess.run(shlex.split(command), cwd=checkout, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}{result.stderr[-3000:]}"
+
+    dagster(documented_command("docs/dagster.md", "dagster asset materialize"))
+    with dagster_deployment.instance() as instance:
+        (materialize_run,) = built_by(instance, keys.resized("512"), "part-00000.parquet")
+        assert instance.get_run_by_id(materialize_run).status == dg.DagsterRunStatus.SUCCESS
+        assert instance.get_materialized_partitions(keys.resized("1024")) == {"part-00000.parquet"}
+
+        dagster(documented_command("docs/dagster.md", "dagster job backfill"))
+        (backfill,) = instance.get_backfills()
+        dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)
+        backfilled = run_records(instance, tags={"dagster/backfill": backfill.backfill_id})
+        assert sorted(r.dagster_run.tags[PARTITION_NAME_TAG] for r in backfilled) == sorted(
+            set(DEFAULT_SHARDS) - {later}
+        )
+        assert {r.dagster_run.status for r in backfilled} == {dg.DagsterRunStatus.SUCCESS}
+
+        write_sample_dataset(dataset.main, shards=[later], rows_per_shard=7, row_group_size=4, sizes=TINY_SIZES)
+        (sensor_start,) = re.findall(r"`(dagster sensor start [^`]*)`", (REPO / "docs" / "dagster.md").read_text())
+        dagster(sensor_start)
+        wait_until(lambda: later in instance.get_materialized_partitions(keys.crop_bbox), RUN_TIMEOUT,
+                   "the discovery sensor's run of the new shard", detail=dagster_deployment.report)  # fmt: skip
+        dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)
+        assert_shards_complete(instance, config, {"sample": list(DEFAULT_SHARDS)})
+        assert_outputs_whole(dataset, list(DEFAULT_SHARDS))
+        # The resized shards of part-00000 were built by `dagster asset materialize`; the backfill kept them.
+        for key in output_asset_keys("sample"):
+            for rel in DEFAULT_SHARDS:
+                assert len(built_by(instance, key, rel)) == 1, (key.to_user_string(), rel)
+        for resolution in RESOLUTION_NAMES:
+            built = built_by(instance, keys.resized(resolution), "part-00000.parquet")
+            assert built == [materialize_run]
