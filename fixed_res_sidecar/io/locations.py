@@ -226,7 +226,7 @@ class Location:
         A folder that cannot be read (no permission, vanished meanwhile, an I/O error) raises
         StorageError naming it: leaving it out would make its shards look removed. Only a root
         that does not exist lists as empty, as an S3 prefix without objects does (an output
-        before its first shard).
+        before its first shard); a root that is a file raises LocationError (bad configuration).
         """
         found, links = [], {}
         folders = [""]
@@ -252,6 +252,9 @@ class Location:
             except OSError as exc:
                 if not folder and not os.path.lexists(path):
                     break  # the root does not exist: no shards
+                if not folder and not os.path.isdir(path):  # not storage failing: a wrong location
+                    what = "a file" if os.path.isfile(path) else "not a folder"
+                    raise LocationError(f"{self.uri} is {what}, not a folder of shards") from None
                 raise StorageError(
                     f"storage failed listing {path} (in {self.uri}): {describe_exception(exc, 300)}"
                 ) from exc

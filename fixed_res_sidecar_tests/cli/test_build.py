@@ -83,6 +83,14 @@ def test_a_broken_shard_fails_alone_and_is_named(sample_main, tmp_path):
     assert Location.parse(out).list_shards() == sorted(SHARDS)
 
 
+def test_a_main_prefix_that_is_a_file_is_a_usage_error_naming_it(sample_main, tmp_path):
+    shard = Path(sample_main.child(SHARDS[0]))
+    result = sidecar_ops("build-0-262mp", "--main-prefix", str(shard), "--output-prefix", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr  # not 3: rerunning would not help
+    assert f"sidecar-ops: error: {shard} is a file, not a folder of shards" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_output_folder_linked_into_main_never_gets_written(sample_main, tmp_path):
     # out512/nested -> main/nested: the prefixes do not overlap, the real paths do.
     out_512 = tmp_path / "512"
