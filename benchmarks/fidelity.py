@@ -59,6 +59,8 @@ def _webp(image: Image.Image, quality: int) -> bytes:
     out = io.BytesIO()
     image.save(out, "WEBP", quality=quality)
     return out.getvalue()
+
+
 AREAS = {name: resolution.area for name, resolution in RESOLUTIONS.items()}
 
 

@@ -7,15 +7,15 @@ import sys
 from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
-    bounded,
+    add_pixel_flags,
     check_positive,
     clean_leftovers,
     main_shards,
+    pixel_options,
     storage_failed,
     symlink_report,
     usage_error,
 )
-from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.retry import StorageError
@@ -61,28 +61,10 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    defaults = PixelOptions()
     parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
     parser.add_argument("--key-column", default="image_key")
     parser.add_argument("--image-column", default="image")
-    # Bounds and formats are the core's (core/pixel_settings.py), as the datasets file's are.
-    rules = {name: bound.description for name, bound in SETTING_BOUNDS.items()}
-    parser.add_argument(
-        "--patch-size", type=bounded("patch_size"), default=defaults.patch_size, help=rules["patch_size"]
-    )
-    parser.add_argument("--square", action="store_true", help="centred square crop (tw = th)")
-    parser.add_argument("--output-format", default=defaults.output_format, choices=list(OUTPUT_FORMATS))
-    parser.add_argument("--quality", type=bounded("quality"), default=defaults.quality, help=rules["quality"])
-    parser.add_argument(
-        "--webp-method",
-        type=bounded("webp_method"),
-        default=defaults.webp_method,
-        help=f"WebP effort, {rules['webp_method']}",
-    )
-    for setting in ("max_source_pixels", "max_aspect_ratio", "min_source_side"):
-        flag = "--" + setting.replace("_", "-")
-        parser.add_argument(flag, type=bounded(setting), default=getattr(defaults, setting), help=rules[setting])
-    parser.add_argument("--background", default=None, help="composite transparency on R,G,B instead of keeping it")
+    add_pixel_flags(parser)  # bounds and formats are the core's (core/pixel_settings.py), as the datasets file's are
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
     parser.add_argument(
         "--rebuild-failed",
@@ -124,16 +106,6 @@ def _layout(args) -> DatasetLayout:
     return layout
 
 
-def _pixel_options(args) -> PixelOptions:
-    background = None
-    if args.background:
-        try:
-            background = tuple(int(v) for v in args.background.split(","))
-        except ValueError:
-            raise ValueError(f"--background must be R,G,B integers, got {args.background!r}") from None
-    return PixelOptions.from_values({**vars(args), "background": background})
-
-
 def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
     """Shard URI -> recorded fingerprint of every resized shard the verifier reports at `paths` failed."""
     failed: dict[str, str | None] = {}
@@ -169,7 +141,7 @@ def run(args) -> int:
         if args.task_memory_gb <= 0:
             raise ValueError("--task-memory-gb must be positive")
         layout = _layout(args)
-        options = _pixel_options(args)
+        options = pixel_options(args)
         failed = _failed_in_reports(args.rebuild_failed)
         shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:

@@ -1,9 +1,9 @@
 """Fidelity: whether a stored output shows the picture the pipeline makes from its source. Pure.
 
-The expected image is the pipeline's own render of the source with the output's recorded
-settings, before any lossy encoder (`core.pixel_settings.reference_options`). Two PSNRs against it:
-the stored output's, and that of the expected image encoded again with the recorded settings
-(what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
+The expected image is the pipeline's own render of the source with the settings the output is
+expected to have been built with (its dataset's, never what its footer claims), before any lossy
+encoder (`core.pixel_settings.reference_options`). Two PSNRs against it: the stored output's, and
+that of the expected image encoded again with those settings (what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
 
     score = min(PSNR(stored), PSNR_CAP) - min(PSNR(fresh encode), PSNR_CAP)
 
@@ -51,7 +51,7 @@ Renders = dict[tuple[tuple[int, ...], PixelOptions], list]
 
 @dataclass(frozen=True)
 class Rendering:
-    """How an output was rendered: its target area and pixel options (as its shard's footer records them),
+    """How an output is expected to be rendered: its target area and pixel options (its dataset's),
     and the other areas made from the same decode (`built_with`: a fused build), which the expected image
     is made with too, so that it takes the same path (shrink-on-load, intermediate)."""
 
@@ -68,7 +68,7 @@ class Expected:
     """What a stored output is compared with: the expected image and how close a fresh build gets."""
 
     image: Image.Image
-    fresh_psnr: float  # PSNR of the expected image encoded with the recorded settings
+    fresh_psnr: float  # PSNR of the expected image encoded with the expected settings
 
 
 @dataclass(frozen=True)

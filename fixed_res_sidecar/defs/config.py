@@ -304,7 +304,7 @@ class DatasetConfig(_Strict):
         return PixelOptions.from_values({**self.model_dump(), **self.limits.model_dump()})
 
     def verify_options(self) -> VerifyOptions:
-        return VerifyOptions(patch_size=self.patch_size, square=self.square, sample=self.verify_sample)
+        return VerifyOptions(pixels=self.pixel_options(), sample=self.verify_sample)
 
 
 class SidecarConfig(_Strict):

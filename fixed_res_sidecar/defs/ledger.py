@@ -120,8 +120,9 @@ class Action(StrEnum):
 class Decision:
     action: Action
     reason: str  # in plain words, for the run's log
-    # When the run crops without verifying both resolutions itself: why the gate refuses the crop
-    # (empty: both verified on record). None when the run verifies both itself, or does not crop.
+    # When the run crops without verifying both resolutions itself: why the record refuses the crop for
+    # the resolutions the run does not verify (empty: verified on record; the run's own reports gate the
+    # others). None when the run verifies both itself, or does not crop.
     gate: tuple[str, ...] | None = None
 
 
@@ -223,10 +224,11 @@ class ShardLedger:
                 return f"{asset}:{name} passed on an older {asset}, not on its latest ({materialization.described()})"
         return None
 
-    def gate(self) -> tuple[str, ...]:
+    def gate(self, verified_now: Sequence[str] = ()) -> tuple[str, ...]:
         """Why crop_bbox must not be built from what is on record (SPEC 7's gate); empty when both
-        resolutions are verified."""
-        return tuple(problem for r in RESOLUTION_NAMES if (problem := self.unverified(r)))
+        resolutions are verified. `verified_now`: resolutions a run verifies itself (its own reports
+        gate those, whatever the record says)."""
+        return tuple(problem for r in RESOLUTION_NAMES if r not in verified_now and (problem := self.unverified(r)))
 
     def stale(self) -> str | None:
         """Why the resized outputs describe an older main shard; None when they do not (or nothing says)."""
@@ -277,7 +279,7 @@ class ShardLedger:
         materializations (in build order), the outputs are still the objects that were checked
         (`outputs.changed`), and they are up to date (`outputs.outdated`): storage is asked only then.
         """
-        gate = self.gate() if stages.crop and set(stages.verify) != set(RESOLUTION_NAMES) else None
+        gate = self.gate(stages.verify) if stages.crop and set(stages.verify) != set(RESOLUTION_NAMES) else None
         if not in_main:
             return Decision(Action.SKIP, "skipped: no longer in the main dataset; its outputs are kept")
         if not (stages.resize or stages.verify) and gate:

@@ -261,6 +261,9 @@ def test_the_gate_is_the_ledgers_only_when_the_run_does_not_verify_both_resoluti
     partial = REBUILT_UNVERIFIED.decide(Stages(resize=("1024",), verify=("1024",), crop=True), True, storage)
     assert partial.action is Action.BUILD and partial.gate == (REBUILT_UNVERIFIED.unverified("512"),)
     assert complete().decide(CROP_ONLY, False, storage).gate == ()  # verified on record: the crop may run
+    # The resolution a run verifies itself is gated by its own report, not by the record.
+    own = REBUILT_UNVERIFIED.decide(Stages(verify=("512",), crop=True), True, storage)
+    assert own.action is Action.BUILD and own.gate == ()
 
 
 def test_a_restated_fingerprint_set_covers_what_the_stages_vouch_for():

@@ -201,15 +201,24 @@ def main_keys(main: Location, rel: str, key_column: str) -> pa.ChunkedArray:
         return read_columns(parquet_file, [key_column], main.child(rel)).column(key_column)
 
 
-def check_row_count(uri: str, rows: int, main_rows: int, what: str, stale: str | None = None) -> CheckResult:
-    """The shard is complete: as many rows as main's, and made from main's current version (`stale`,
-    when given, says how it is not)."""
-    metadata = {"rows": rows, "main_rows": main_rows, "stale": stale is not None}
+def check_row_count(
+    uri: str, rows: int, main_rows: int, what: str, stale: str | None = None, other_settings: str | None = None
+) -> CheckResult:
+    """The shard is complete: as many rows as main's, made from main's current version (`stale`, when
+    given, says how it is not) and, when the caller knows which, with the expected build settings
+    (`other_settings` says how its footer differs)."""
+    metadata: dict[str, Any] = {"rows": rows, "main_rows": main_rows, "stale": stale is not None}
+    if other_settings is not None:
+        metadata["other_settings"] = other_settings
     if rows != main_rows:
         message = f"{what} shard {uri} has {rows} rows, the main shard has {main_rows}"
         return CheckResult(SHARD_COMPLETE, False, message, metadata)
     if stale is not None:
         return CheckResult(SHARD_COMPLETE, False, f"{what} shard {uri} is stale: {stale}", metadata)
+    if other_settings is not None:
+        return CheckResult(
+            SHARD_COMPLETE, False, f"{what} shard {uri} was not built as expected: {other_settings}", metadata
+        )
     return CheckResult(SHARD_COMPLETE, True, f"{uri}: {rows} rows, as in main, made from its current version", metadata)
 
 
