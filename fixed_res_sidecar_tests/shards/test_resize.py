@@ -185,6 +185,26 @@ def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     assert outputs[1].location.parquet_file(rel).metadata.num_rows == 10
 
 
+def test_skip_existing_rebuilds_a_shard_whose_footer_lies_about_its_settings(sample_main, tmp_path):
+    """A footer edited to record other settings than the shard was built with (its pictures untouched) is
+    not up to date: skip-existing compares the footer with the current settings and rebuilds it."""
+    import json
+
+    from fixed_res_sidecar.shards.settings import SETTINGS, SETTINGS_KEY
+
+    outputs = resized_outputs(tmp_path / "out")
+    rel = SHARDS[0]
+    build_resized_shard(layout_of(sample_main, outputs), rel)
+    path = outputs[0].location.child(rel)
+    table = pq.read_table(path)
+    metadata = dict(table.schema.metadata)
+    metadata[SETTINGS_KEY] = json.dumps({**json.loads(metadata[SETTINGS_KEY]), "quality": 10}).encode()
+    pq.write_table(table.replace_schema_metadata(metadata), path, write_page_checksum=True, row_group_size=4)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
+    assert [(o.status, o.reason) for o in again.outputs] == [("built", SETTINGS), ("skipped", None)]
+    assert json.loads(pq.read_schema(path).metadata[SETTINGS_KEY])["quality"] == 95
+
+
 @pytest.mark.parametrize("target", ["", "inside", ".."])
 def test_output_overlapping_main_is_refused_and_changes_nothing(sample_main, target):
     root = os.path.normpath(os.path.join(sample_main.path, target)) if target else sample_main.path
