@@ -6,7 +6,6 @@ data's fault (a storage failure, a crash): a shard that cannot be read or fails 
 an outcome to record, so one shard of a batch never stops the others.
 """
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,10 +20,12 @@ from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ResizeTargets, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
+    ReportError,
     ShardReport,
     SharedRenders,
     VerifyOptions,
     failed_outputs,
+    load_report,
     report_rel,
     still_failed,
     verify_crop_bbox_shard,
@@ -163,8 +164,8 @@ def failed_on_record(layout: DatasetLayout, rel: str, resolutions: tuple[str, ..
         reports, name = layout.report_location(f"resized_{resolution}"), report_rel(rel)
         if reports.exists(name):
             try:
-                failed.update(failed_outputs(json.loads(reports.read_bytes(name))))
-            except ValueError:  # an unreadable report says nothing
+                failed.update(failed_outputs(load_report(reports.read_bytes(name), reports.child(name))))
+            except ReportError:  # an unreadable report says nothing
                 continue
     return still_failed(layout, rel, failed)
 
