@@ -81,11 +81,16 @@ class ShardEntry(NamedTuple):
 
     rel: str
     size: int
-    stamp: str  # changes when the object is rewritten: "size:mtime_ns" locally, "size:etag" on S3
+    stamp: str  # changes when the object is rewritten: "size:mtime_ns:ctime_ns:inode" locally, "size:etag" on S3
 
 
 def _local_stamp(stat: os.stat_result) -> str:
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
+    """A local file's identity from one stat: size and modification time, which a same-size rewrite can
+    restore (`touch -d`, `os.utime`, `rsync -t`), and what nobody can set back: the inode's change time
+    (set by every write and every `utime`) and the inode's number (another file renamed over it).
+    Also changed by chmod, chown, a new hard link or a copy: such a shard counts as changed (rebuilt, to
+    the same bytes). A content hash would cost a full read of every main shard on every check."""
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
 
 
 def _s3_stamp(size: int, etag: str) -> str:
@@ -299,8 +304,9 @@ class Location:
             return f.read()
 
     def fingerprint(self, rel: str) -> str | None:
-        """What changes when the object at `rel` is rewritten: size and modification time locally, size and
-        ETag on S3 (one stat or HEAD; nothing is read). None when it does not exist."""
+        """What changes when the object at `rel` is rewritten: size, modification and change times and inode
+        locally (`_local_stamp`), size and ETag on S3 (one stat or HEAD; nothing is read). None when it does
+        not exist."""
         rel = _check_rel(rel)
         if self.is_s3:
             try:

@@ -205,6 +205,24 @@ def test_skip_existing_rebuilds_a_shard_whose_footer_lies_about_its_settings(sam
     assert json.loads(pq.read_schema(path).metadata[SETTINGS_KEY])["quality"] == 95
 
 
+def test_skip_existing_rebuilds_after_a_same_size_rewrite_of_main_with_its_mtime_restored(sample_main, tmp_path):
+    """Reported: invisible to --skip-existing (same size, same footer, mtime set back)."""
+    from fixed_res_sidecar.shards.settings import SOURCES
+    from fixed_res_sidecar_tests.fixtures.datasets import damage_value
+
+    outputs = resized_outputs(tmp_path / "out")
+    rel = SHARDS[0]
+    build_resized_shard(layout_of(sample_main, outputs), rel)
+    path = sample_main.child(rel)
+    before = os.stat(path)
+    images = pq.read_table(path, columns=["image"]).column("image").to_pylist()
+    damage_value(path, max((i for i in images if i), key=len))  # one image's bytes changed in place
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
+    assert [(o.status, o.reason) for o in again.outputs] == [("built", SOURCES), ("built", SOURCES)]
+
+
 @pytest.mark.parametrize("target", ["", "inside", ".."])
 def test_output_overlapping_main_is_refused_and_changes_nothing(sample_main, target):
     root = os.path.normpath(os.path.join(sample_main.path, target)) if target else sample_main.path
