@@ -13,6 +13,8 @@ stated here once:
   every sidecar check passed on it;
 - failed: a check whose latest result failed;
 - removed: main's latest word on the shard is that a complete listing no longer has it;
+- changed on storage: an output verified (or a crop current) that storage no longer holds, or holds
+  as another object than the one its checks passed on;
 - stale: main's shard changed since the resized outputs were built from it;
 - a run's decision per shard: build, restate, skip or refuse, with the reason in plain words.
 """
@@ -229,6 +231,28 @@ class ShardLedger:
         resolutions are verified. `verified_now`: resolutions a run verifies itself (its own reports
         gate those, whatever the record says)."""
         return tuple(problem for r in RESOLUTION_NAMES if r not in verified_now and (problem := self.unverified(r)))
+
+    def storage_problems(self, stored: Mapping[str, str | None]) -> list[str]:
+        """Why what storage holds is not what was verified: `stored` maps an output ("resized_512",
+        "crop_bbox") to the stamp a listing shows for it now (None: not there). Compared only where the
+        record vouches for the output (verified, crop current) and says which object it checked."""
+        vouched = {resized(r): self.latest(verifier(r)) for r in RESOLUTION_NAMES if self.unverified(r) is None}
+        if self.crop_problem() is None:
+            vouched[CROP_BBOX] = self.latest(CROP_BBOX)
+        problems = []
+        for name, checked in vouched.items():
+            if checked is None or checked.fingerprint is None or name not in stored:
+                continue
+            what = "its crop_bbox" if name == CROP_BBOX else f"its {name.removeprefix('resized_')} output"
+            now = stored[name]
+            if now is None:
+                problems.append(f"{what} is gone from storage (verified by {checked.described()})")
+            elif now != checked.fingerprint:
+                problems.append(
+                    f"{what} on storage is not the object verified by {checked.described()} "
+                    f"(verified {checked.fingerprint}, now {now})"
+                )
+        return problems
 
     def stale(self) -> str | None:
         """Why the resized outputs describe an older main shard; None when they do not (or nothing says)."""

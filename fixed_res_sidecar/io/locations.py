@@ -189,6 +189,10 @@ class Location:
         """rel -> bytes of every shard, sorted by rel (what `aws s3 ls --recursive` shows)."""
         return dict(sorted((e.rel, e.size) for page in self.iter_shard_entries(suffix, 1000) for e in page))
 
+    def shard_stamps(self, suffix: str = SHARD_SUFFIX) -> dict[str, str]:
+        """rel -> stamp (what `fingerprint` gives) of every shard, from one listing (no stat or HEAD per shard)."""
+        return {e.rel: e.stamp for page in self.iter_shard_entries(suffix, 1000) for e in page}
+
     def iter_shard_entries(
         self, suffix: str = SHARD_SUFFIX, page_size: int = 1000, start_after: str | None = None
     ) -> Iterator[list["ShardEntry"]]:

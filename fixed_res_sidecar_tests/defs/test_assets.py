@@ -301,8 +301,8 @@ def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_rest
     assert verified.success and restated(verified, KEYS.verify("1024")) == built.run_id
     cropped = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.crop_bbox])
     assert cropped.success and restated(cropped, KEYS.crop_bbox) == built.run_id
-    audit = audit_dataset(instance, KEYS)
-    assert audit.crop_stale == [] and audit.crop_missing == []
+    audit = audit_dataset(instance, KEYS, tiny_config.datasets[0].layout)
+    assert audit.crop_stale == [] and audit.crop_missing == [] and audit.changed == {}
 
 
 def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
