@@ -35,7 +35,7 @@ from .render import encode_output
 
 PSNR_CAP = 45.0  # dB: differences above are invisible
 # Good outputs measured at -0.9 dB and above (another WebP method, JPEG against WebP); damage at
-# -5.2 dB and below (heavy re-compression of a smooth picture; the rest -15 dB and below).
+# -6.3 dB and below (heavy re-compression; the rest -16 dB and below): docs/fidelity.md.
 FIDELITY_MIN_SCORE = -3.0
 IDENTICAL_PSNR = 100.0  # PSNR of identical pixels (infinite; JSON has no infinity)
 # Below this a row is also rendered as a one-resolution build makes it (score_output): a fused build
