@@ -165,15 +165,22 @@ def _build_command(command: str) -> argparse.ArgumentParser:
     return subcommands.choices[command]
 
 
-@pytest.mark.parametrize("command", ["build-0-262mp", "build-1-05mp", "build-both"])
+REQUIRED = {
+    "build-0-262mp": ["--main-prefix", "/m", "--output-prefix", "/a"],
+    "build-1-05mp": ["--main-prefix", "/m", "--output-prefix", "/a"],
+    "build-both": ["--main-prefix", "/m", "--output-prefix-512", "/a", "--output-prefix-1024", "/b"],
+    # The verifiers take the same flags: the settings the dataset is expected to have been built with.
+    "verify-resized": ["--main-prefix", "/m", "--output-prefix", "/a", "--key-column", "k", "--audit-prefix", "p"],
+    "build-crop-bbox": ["--main-prefix", "/m", "--resized-512-prefix", "/a", "--resized-1024-prefix", "/b",
+                        "--output-prefix", "/c", "--key-column", "k"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(REQUIRED))
 def test_pixel_flags_refuse_exactly_the_cores_bounds(command, capsys):
     """The flags' limits and formats are core.pixel_settings's, as the datasets file's are (test_config.py)."""
     parser = _build_command(command)
-    required = ["--main-prefix", "/m"] + (
-        ["--output-prefix-512", "/a", "--output-prefix-1024", "/b"]
-        if command == "build-both"
-        else ["--output-prefix", "/a"]
-    )
+    required = REQUIRED[command]
     for name, bound in SETTING_BOUNDS.items():
         flag = "--" + name.replace("_", "-")
         inside, outside = bound_edges(bound)
