@@ -233,7 +233,7 @@ def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
 def _new_events(fetch, key: dg.AssetKey, after: int, partitions: list[str] | None = None):
     """Event records of `key` after storage id `after` (of `partitions` only, when given), oldest first, a page
     at a time (`fetch` is the instance's fetch_materializations or fetch_observations)."""
-    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after or None, asset_partitions=partitions)
+    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after, asset_partitions=partitions)
     cursor = None
     while True:
         page = history.storage_call(fetch, records_filter, limit=PAGE, cursor=cursor, ascending=True)
@@ -285,8 +285,8 @@ class DatasetAudit:
     crop_missing: list[str] = field(default_factory=list)  # finished shards without a crop_bbox
     crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
     orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
-    # shard -> how storage no longer holds what was verified (an output gone, or another object)
-    changed: dict[str, list[str]] = field(default_factory=dict)
+    # shard -> output -> how storage no longer holds what was verified (gone, or another object)
+    changed: dict[str, dict[str, str]] = field(default_factory=dict)
     under_way: str | None = None  # what is still running, if anything
     # resolution -> fidelity over the latest verification of every shard: rows compared, failing rows, rows per
     # score bin, the lowest score and the shards' median scores
@@ -321,7 +321,7 @@ class DatasetAudit:
         for check, shards in sorted(self.failed.items()):
             parts.append(f"{check} FAILED on {len(shards)} shard(s): {_names(shards)}")
         if self.changed:
-            shown = [f"{rel} ({'; '.join(problems)})" for rel, problems in sorted(self.changed.items())]
+            shown = [f"{rel} ({'; '.join(problems.values())})" for rel, problems in sorted(self.changed.items())]
             parts.append(
                 f"{len(self.changed)} shard(s) whose outputs on storage are not what was verified: {_names(shown)}"
             )
@@ -358,7 +358,7 @@ class DatasetAudit:
             for rel in shards[:LISTED]
         ]
         rows += [
-            dg.TableRecord({"shard": rel, "problem": "; ".join(problems)})
+            dg.TableRecord({"shard": rel, "problem": "; ".join(problems.values())})
             for rel, problems in sorted(self.changed.items())[:LISTED]
         ]
         rows += [
@@ -479,7 +479,8 @@ def evaluate(
                 audit.invalid[resolution] += invalid
                 audit.errors[resolution].update(errors)
             _add_fidelity(audit.fidelity[resolution], shard.get(f"fidelity_{resolution}"))
-            if shard_ledger.unverified(resolution) is None and not _changed(audit, rel, resolution):
+            changed = ledger.resized(resolution) in audit.changed.get(rel, {})
+            if shard_ledger.unverified(resolution) is None and not changed:
                 audit.verified[resolution] += 1
             elif not any(name.startswith(f"{ledger.verifier(resolution)}:") for name in failed):
                 audit.not_verified[resolution].append(rel)
@@ -492,11 +493,6 @@ def evaluate(
                 audit.crop_stale.append(rel)
     audit.under_way = _under_way(instance, keys, own_run_id)
     return audit
-
-
-def _changed(audit: DatasetAudit, rel: str, resolution: str) -> bool:
-    """Whether storage no longer holds shard `rel`'s verified output at `resolution`."""
-    return any(problem.startswith(f"its {resolution} output ") for problem in audit.changed.get(rel, ()))
 
 
 def _add_fidelity(total: dict[str, Any], shard: dict[str, Any] | None) -> None:

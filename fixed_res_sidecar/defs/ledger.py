@@ -232,23 +232,23 @@ class ShardLedger:
         gate those, whatever the record says)."""
         return tuple(problem for r in RESOLUTION_NAMES if r not in verified_now and (problem := self.unverified(r)))
 
-    def storage_problems(self, stored: Mapping[str, str | None]) -> list[str]:
-        """Why what storage holds is not what was verified: `stored` maps an output ("resized_512",
+    def storage_problems(self, stored: Mapping[str, str | None]) -> dict[str, str]:
+        """Output -> why storage does not hold what was verified: `stored` maps an output ("resized_512",
         "crop_bbox") to the stamp a listing shows for it now (None: not there). Compared only where the
         record vouches for the output (verified, crop current) and says which object it checked."""
         vouched = {resized(r): self.latest(verifier(r)) for r in RESOLUTION_NAMES if self.unverified(r) is None}
         if self.crop_problem() is None:
             vouched[CROP_BBOX] = self.latest(CROP_BBOX)
-        problems = []
+        problems = {}
         for name, checked in vouched.items():
             if checked is None or checked.fingerprint is None or name not in stored:
                 continue
             what = "its crop_bbox" if name == CROP_BBOX else f"its {name.removeprefix('resized_')} output"
             now = stored[name]
             if now is None:
-                problems.append(f"{what} is gone from storage (verified by {checked.described()})")
+                problems[name] = f"{what} is gone from storage (verified by {checked.described()})"
             elif now != checked.fingerprint:
-                problems.append(
+                problems[name] = (
                     f"{what} on storage is not the object verified by {checked.described()} "
                     f"(verified {checked.fingerprint}, now {now})"
                 )

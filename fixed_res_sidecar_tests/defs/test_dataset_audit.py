@@ -129,8 +129,8 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
     scratch = dataset_audit.AuditState()
     dataset_audit.update_state(instance, KEYS, scratch)
     assert dataset_audit.evaluate(instance, KEYS, scratch, dataset_audit.stored_outputs(dataset.layout)).changed == {
-        GOOD: [problems[GOOD]],
-        BAD: [problems[BAD]],
+        GOOD: {"resized_512": problems[GOOD]},
+        BAD: {"crop_bbox": problems[BAD]},
     }
 
     # A run of each shard rebuilds (or verifies again) what changed; the audit passes again.

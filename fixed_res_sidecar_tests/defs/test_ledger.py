@@ -310,14 +310,14 @@ def test_a_ledger_survives_its_json(shard):
 
 def test_storage_is_compared_with_what_the_record_vouches_for():
     as_verified = {"resized_512": "fp-512", "resized_1024": "fp-1024", "crop_bbox": "fp-crop"}
-    assert complete().storage_problems(as_verified) == []
+    assert complete().storage_problems(as_verified) == {}
     gone = complete().storage_problems({**as_verified, "resized_512": None})
-    assert gone == ["its 512 output is gone from storage (verified by run build-ru)"]
-    (changed,) = complete().storage_problems({**as_verified, "crop_bbox": "fp-other"})
+    assert gone == {"resized_512": "its 512 output is gone from storage (verified by run build-ru)"}
+    changed = complete().storage_problems({**as_verified, "crop_bbox": "fp-other"})["crop_bbox"]
     assert changed.startswith("its crop_bbox on storage is not the object verified by run build-ru")
     assert "(verified fp-crop, now fp-other)" in changed
     # What the record does not vouch for is not compared: an output rebuilt since it was verified (the
     # shard is unverified anyway), and an output a listing did not cover.
-    assert REBUILT_UNVERIFIED.storage_problems({**as_verified, "resized_512": None}) == []
-    assert complete().storage_problems({"resized_1024": "fp-1024"}) == []
-    assert NEVER_BUILT.storage_problems({name: None for name in as_verified}) == []
+    assert REBUILT_UNVERIFIED.storage_problems({**as_verified, "resized_512": None}) == {}
+    assert complete().storage_problems({"resized_1024": "fp-1024"}) == {}
+    assert NEVER_BUILT.storage_problems({name: None for name in as_verified}) == {}

@@ -2,8 +2,9 @@
 
 For each sampled valid row: the row's source image is read from main, the expected output is
 derived with the pipeline and the expected settings (the dataset's, or the command's flags; never
-the shard's footer, which may lie: core/fidelity.py), and the stored output is scored against it. Per shard: the minimum and median score, the
-failing rows by key with their scores, and counts per score bin (for the dataset audit).
+the shard's footer, which may lie: core/fidelity.py), and the stored output is scored against it.
+Per shard: the minimum and median score, the failing rows by key with their scores, and counts per
+score bin (for the dataset audit).
 For failing rows, `write_fidelity_pictures` draws expected | stored | difference.
 """
 
