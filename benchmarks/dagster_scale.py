@@ -341,14 +341,14 @@ class ScaleBench:
         return len(ids)
 
     def audit_first(self, instance: dg.DagsterInstance, dataset: str) -> dict[str, Any]:
-        keys = DatasetKeys(dataset)
-        seconds, audit = timed(lambda: audit_dataset(instance, keys))
+        keys, layout = DatasetKeys(dataset), load_config(self.deployment.datasets_file).dataset(dataset).layout
+        seconds, audit = timed(lambda: audit_dataset(instance, keys, layout))  # with its listing of the outputs
         return {"shards": audit.shards, "first_s": seconds}
 
     def audit_incremental(self, instance: dg.DagsterInstance, dataset: str, row: dict[str, Any]) -> None:
-        keys = DatasetKeys(dataset)
+        keys, layout = DatasetKeys(dataset), load_config(self.deployment.datasets_file).dataset(dataset).layout
         new_events = update_state(instance, keys, load_audit_state(instance, dataset))  # what the audit will read
-        seconds, _ = timed(lambda: audit_dataset(instance, keys))
+        seconds, _ = timed(lambda: audit_dataset(instance, keys, layout))
         row.update(incremental_s=seconds, incremental_events=new_events)
 
     def sample_blocks(self) -> dict[int, list[str]]:

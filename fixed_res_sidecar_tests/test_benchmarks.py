@@ -258,12 +258,12 @@ def test_fidelity_reports_score_distributions_and_verifier_cost(tmp_path, capsys
     """--fidelity on a tiny corpus: every good variant and every damage has its scores, the threshold
     separates them, and the verifier's cost is reported with and without fidelity. No timings asserted."""
     from benchmarks.damage import DAMAGE
-    from benchmarks.fidelity import GOOD, SINGLE
+    from benchmarks.fidelity import GOOD, MODERATE, SINGLE
 
     args = ["--fidelity", "--fidelity-quick", "--fidelity-rows", "3", "--profile", "tiny"]
     report = cli.main([*args, "--workdir", str(tmp_path / "work")])["fidelity"]
     scores = report["scores"]
-    assert set(scores["summary"]) == {*GOOD, SINGLE, *DAMAGE}
+    assert set(scores["summary"]) == {*GOOD, SINGLE, *DAMAGE, *MODERATE}
     assert scores["lowest_good"] > scores["threshold"] > scores["highest_damage"]
     assert all(values["n"] >= 1 for values in scores["summary"].values())
     cost = report["cost"]
@@ -271,3 +271,4 @@ def test_fidelity_reports_score_distributions_and_verifier_cost(tmp_path, capsys
     assert all(share > 0 for share in cost["verify_share_of_build_1000_rows"].values())
     printed = capsys.readouterr().out
     assert "Fidelity scores" in printed and "lowest good" in printed and "share at 1,000 rows" in printed
+    assert "Moderate damage per source" in printed and "transparency_png" in printed

@@ -2,20 +2,21 @@
 
 import argparse
 import functools
-import json
 import sys
 from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
-    bounded,
+    UsageError,
+    add_pixel_flags,
     check_positive,
     clean_leftovers,
     main_shards,
+    pixel_options,
     storage_failed,
     symlink_report,
     usage_error,
 )
-from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
+from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location, LocationError
 from fixed_res_sidecar.io.retry import StorageError
@@ -34,7 +35,7 @@ from fixed_res_sidecar.shards.runner import (
     run_shards,
 )
 from fixed_res_sidecar.shards.settings import SOURCES
-from fixed_res_sidecar.shards.verify import failed_outputs, still_failed
+from fixed_res_sidecar.shards.verify import failed_outputs, load_report, still_failed
 
 
 def add_parser(subparsers) -> None:
@@ -61,28 +62,10 @@ def add_parser(subparsers) -> None:
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
-    defaults = PixelOptions()
     parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
     parser.add_argument("--key-column", default="image_key")
     parser.add_argument("--image-column", default="image")
-    # Bounds and formats are the core's (core/pixel_settings.py), as the datasets file's are.
-    rules = {name: bound.description for name, bound in SETTING_BOUNDS.items()}
-    parser.add_argument(
-        "--patch-size", type=bounded("patch_size"), default=defaults.patch_size, help=rules["patch_size"]
-    )
-    parser.add_argument("--square", action="store_true", help="centred square crop (tw = th)")
-    parser.add_argument("--output-format", default=defaults.output_format, choices=list(OUTPUT_FORMATS))
-    parser.add_argument("--quality", type=bounded("quality"), default=defaults.quality, help=rules["quality"])
-    parser.add_argument(
-        "--webp-method",
-        type=bounded("webp_method"),
-        default=defaults.webp_method,
-        help=f"WebP effort, {rules['webp_method']}",
-    )
-    for setting in ("max_source_pixels", "max_aspect_ratio", "min_source_side"):
-        flag = "--" + setting.replace("_", "-")
-        parser.add_argument(flag, type=bounded(setting), default=getattr(defaults, setting), help=rules[setting])
-    parser.add_argument("--background", default=None, help="composite transparency on R,G,B instead of keeping it")
+    add_pixel_flags(parser)  # bounds and formats are the core's (core/pixel_settings.py), as the datasets file's are
     parser.add_argument("--skip-existing", action="store_true", help="skip shards already built with these settings")
     parser.add_argument(
         "--rebuild-failed",
@@ -124,29 +107,69 @@ def _layout(args) -> DatasetLayout:
     return layout
 
 
-def _pixel_options(args) -> PixelOptions:
-    background = None
-    if args.background:
-        try:
-            background = tuple(int(v) for v in args.background.split(","))
-        except ValueError:
-            raise ValueError(f"--background must be R,G,B integers, got {args.background!r}") from None
-    return PixelOptions.from_values({**vars(args), "background": background})
+IGNORED_LISTED = 20  # entries of --rebuild-failed reports named when they are not repaired
 
 
-def _failed_in_reports(paths: list[str]) -> dict[str, str | None]:
-    """Shard URI -> recorded fingerprint of every resized shard the verifier reports at `paths` failed."""
-    failed: dict[str, str | None] = {}
+def _failed_in_reports(paths: list[str]) -> dict[str, tuple[str, str | None]]:
+    """Shard URI -> (the report naming it, its recorded fingerprint) of every resized shard the verifier
+    reports at `paths` failed. A report that is not one is a usage error naming what is wrong in it."""
+    failed: dict[str, tuple[str, str | None]] = {}
     for path in paths:
         folder, name = Location.file(path)
+        source = f"--rebuild-failed {path}"
         try:
-            document = json.loads(folder.read_bytes(name))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--rebuild-failed {path}: not a readable verifier report ({exc})") from None
-        if not isinstance(document, dict):
-            raise ValueError(f"--rebuild-failed {path}: not a verifier report")
-        failed.update(failed_outputs(document))
+            data = folder.read_bytes(name)
+        except OSError as exc:
+            raise UsageError(f"{source}: not a readable verifier report ({describe_exception(exc, 300)})") from None
+        for uri, fingerprint in failed_outputs(load_report(data, source), source).items():
+            failed[uri] = (path, fingerprint)
     return failed
+
+
+def _repairs(
+    failed: dict[str, tuple[str, str | None]], layout: DatasetLayout, shards: list[str], reports: list[str]
+) -> dict[str, str | None]:
+    """The failed shards of `--rebuild-failed` reports that this build makes (URI -> recorded fingerprint).
+    The others are named on stderr with why; a usage error when there are some and none is this build's."""
+    if not failed:
+        if reports:
+            print("--rebuild-failed: the reports name no failed resized shard: nothing to repair", file=sys.stderr)
+        return {}
+    in_main = set(shards)
+    ignored = {uri: reason for uri in failed if (reason := _not_repaired(uri, layout, in_main))}
+    lines = [f"  {uri} (in {failed[uri][0]}): {reason}" for uri, reason in list(ignored.items())[:IGNORED_LISTED]]
+    if len(ignored) > IGNORED_LISTED:
+        lines.append(f"  ... and {len(ignored) - IGNORED_LISTED} more")
+    if len(ignored) == len(failed):
+        outputs = ", ".join(output.location.uri for output in layout.resized.values())
+        raise UsageError(
+            f"--rebuild-failed: none of the {len(failed)} failed shard(s) in the report(s) is an output of this build "
+            f"({outputs}; reports of another dataset or resolution?):\n" + "\n".join(lines)
+        )
+    if ignored:
+        print(
+            f"--rebuild-failed: {len(ignored)} failed shard(s) of the reports ignored:",
+            *lines,
+            sep="\n",
+            file=sys.stderr,
+        )
+    print(f"--rebuild-failed: {len(failed) - len(ignored)} failed output(s) of this build to repair", file=sys.stderr)
+    return {uri: fingerprint for uri, (_, fingerprint) in failed.items() if uri not in ignored}
+
+
+def _not_repaired(uri: str, layout: DatasetLayout, shards: set[str]) -> str | None:
+    """Why a failed shard `uri` of a report is not repaired by a build of `layout` over `shards`; None when it is."""
+    if any(part in (".", "..") for part in uri.split("/")):
+        return "its path holds '.' or '..' segments (a report names each output shard by its own URI)"
+    if uri.startswith(layout.main.uri.rstrip("/") + "/"):
+        return "it is in the main dataset, which is read only (a report names output shards)"
+    for output in layout.resized.values():
+        prefix = output.location.uri.rstrip("/") + "/"
+        if uri.startswith(prefix):
+            rel = uri[len(prefix) :]
+            return None if rel in shards else f"the main dataset has no shard {rel!r} (removed since the report?)"
+    outputs = ", ".join(output.location.uri for output in layout.resized.values())
+    return f"not under this build's outputs ({outputs})"
 
 
 def _build_shard(
@@ -169,9 +192,10 @@ def run(args) -> int:
         if args.task_memory_gb <= 0:
             raise ValueError("--task-memory-gb must be positive")
         layout = _layout(args)
-        options = _pixel_options(args)
-        failed = _failed_in_reports(args.rebuild_failed)
+        options = pixel_options(args)
+        reported = _failed_in_reports(args.rebuild_failed)  # a bad report is refused before the listing
         shards = main_shards(layout.main)
+        failed = _repairs(reported, layout, shards, args.rebuild_failed)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
     except StorageError as exc:  # e.g. a folder of main that cannot be listed: no shard is left out silently

@@ -5,7 +5,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.pixel_settings import SETTING_BOUNDS
+from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS, PixelOptions
 from fixed_res_sidecar.io.leftovers import Cleanup, remove_temp_dir_leftovers
 from fixed_res_sidecar.io.locations import Location
 
@@ -62,6 +62,47 @@ def bounded(setting: str) -> Callable[[str], int | float]:
 
     parse.__name__ = setting  # what argparse names in its own messages
     return parse
+
+
+def add_pixel_flags(parser, built: str = "") -> None:
+    """The flags of every pixel setting (core/pixel_settings.PixelOptions), with the pipeline's defaults and
+    bounds: what a build makes, and what a verifier expects the build to have made (`built`: the words
+    after each help text saying so)."""
+    defaults = PixelOptions()
+    rules = {name: bound.description for name, bound in SETTING_BOUNDS.items()}
+    parser.add_argument(
+        "--patch-size", type=bounded("patch_size"), default=defaults.patch_size, help=rules["patch_size"] + built
+    )
+    parser.add_argument("--square", action="store_true", help="centred square crop (tw = th)" + built)
+    parser.add_argument(
+        "--output-format", default=defaults.output_format, choices=list(OUTPUT_FORMATS), help=built.strip(" ,;")
+    )
+    parser.add_argument("--quality", type=bounded("quality"), default=defaults.quality, help=rules["quality"] + built)
+    parser.add_argument(
+        "--webp-method",
+        type=bounded("webp_method"),
+        default=defaults.webp_method,
+        help=f"WebP effort, {rules['webp_method']}{built}",
+    )
+    for setting in ("max_source_pixels", "max_aspect_ratio", "min_source_side"):
+        flag = "--" + setting.replace("_", "-")
+        parser.add_argument(
+            flag, type=bounded(setting), default=getattr(defaults, setting), help=rules[setting] + built
+        )
+    parser.add_argument(
+        "--background", default=None, help="composite transparency on R,G,B instead of keeping it" + built
+    )
+
+
+def pixel_options(args) -> PixelOptions:
+    """The pixel settings the flags of `add_pixel_flags` give (ValueError: a usage error)."""
+    background = None
+    if args.background:
+        try:
+            background = tuple(int(v) for v in args.background.split(","))
+        except ValueError:
+            raise UsageError(f"--background must be R,G,B integers, got {args.background!r}") from None
+    return PixelOptions.from_values({**vars(args), "background": background})
 
 
 def symlink_report(main: Location) -> str:

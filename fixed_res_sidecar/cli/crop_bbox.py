@@ -12,10 +12,11 @@ import sys
 from collections import Counter
 
 from fixed_res_sidecar.cli.common import (
-    bounded,
+    add_pixel_flags,
     check_positive,
     clean_leftovers,
     main_shards,
+    pixel_options,
     storage_failed,
     symlink_report,
     usage_error,
@@ -39,7 +40,7 @@ def add_parser(subparsers) -> None:
             "Read the captions of the main dataset (or of --caption-prefix) and the audit columns of both "
             "resized datasets, and write structured_description_crop_512, structured_description_crop_1024 "
             "and bbox_resize_meta per shard. A shard is built only when both its resized shards pass the "
-            "verifier (rows, keys, audit, and --verify-sample decoded images each)."
+            "verifier (rows, keys, audit, the build settings, and --verify-sample decoded images each)."
         ),
     )
     parser.add_argument("--main-prefix", required=True, help="the main dataset (read only): a folder or s3:// URI")
@@ -81,13 +82,7 @@ def add_parser(subparsers) -> None:
         help="images decoded per resized shard (default: 32; 0: rows, keys and audit only)",
     )
     gate.add_argument("--image-column", default="image", help="the resized datasets' image column")
-    gate.add_argument(
-        "--patch-size",
-        type=bounded("patch_size"),
-        default=32,
-        help="the patch size the resized datasets were built with",
-    )
-    gate.add_argument("--square", action="store_true", help="the resized datasets were built with --square")
+    add_pixel_flags(gate, built=", as the resized datasets were built")
     parser.set_defaults(func=run)
 
 
@@ -119,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
         if args.verify_sample < 0:
             raise ValueError("--verify-sample must be at least 0")
         layout = sidecar_layout(args, args.output_prefix)
+        pixels = pixel_options(args)
         shards = main_shards(layout.main)
     except (ValueError, LocationError) as exc:
         return usage_error(exc)
     except StorageError as exc:
         return storage_failed(exc)
 
-    verify_options = VerifyOptions(patch_size=args.patch_size, square=args.square, sample=args.verify_sample)
+    verify_options = VerifyOptions(pixels=pixels, sample=args.verify_sample)
     gate = functools.partial(require_verified, layout, options=verify_options)
     job = functools.partial(build_crop_bbox_shard, layout, skip_existing=args.skip_existing, gate=gate)
     print(f"{len(shards)} shards under {layout.main.uri} -> {layout.sidecar_location().uri}", file=sys.stderr)

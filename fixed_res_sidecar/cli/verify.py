@@ -18,9 +18,10 @@ from typing import Any, TypeVar
 
 from fixed_res_sidecar.cli.common import (
     STORAGE_FAILED,
-    bounded,
+    add_pixel_flags,
     check_positive,
     main_shards,
+    pixel_options,
     storage_failed,
     symlink_report,
     usage_error,
@@ -64,8 +65,9 @@ def add_parser(subparsers) -> None:
     resized.add_argument(
         "--target-area", type=int, default=None, help=f"pixel area; defaults from the audit prefix ({areas})"
     )
-    resized.add_argument("--patch-size", type=bounded("patch_size"), default=32)
-    resized.add_argument("--square", action="store_true", help="the dataset was built with --square")
+    # The settings the dataset must have been built with (the build's flags and defaults): the footer of each
+    # shard must record them, and its pictures are compared with what they make.
+    add_pixel_flags(resized.add_argument_group("expected build settings"), built=", as the dataset was built")
     resized.add_argument(
         "--sample",
         type=sample_count,
@@ -146,6 +148,7 @@ def run_verify_resized(args) -> int:
         check_positive(threads=args.threads, target_area=area)
         counts = {name: getattr(args, name) for name in ("sample", "fidelity_sample")}
         check_positive(**{name: value for name, value in counts.items() if value is not None})
+        pixels = pixel_options(args)
         output = ResizedOutput(Location.parse(args.output_prefix), area, args.audit_prefix)
         layout = DatasetLayout(
             Location.parse(args.main_prefix), {output.resolution: output},
@@ -165,8 +168,7 @@ def run_verify_resized(args) -> int:
         return storage_failed(exc)
 
     options = VerifyOptions(
-        patch_size=args.patch_size,
-        square=args.square,
+        pixels=pixels,
         sample=args.sample,
         fidelity=args.fidelity,
         fidelity_sample=args.fidelity_sample,
@@ -175,7 +177,9 @@ def run_verify_resized(args) -> int:
     def verify_shard(rel: str) -> ShardReport:
         report = verify_resized_shard(layout, rel, output.resolution, options)
         if picture_dir is not None and not report.check(FIDELITY).passed:
-            report.stats["fidelity_pictures"] = _fidelity_pictures(layout, rel, output.resolution, report, picture_dir)
+            report.stats["fidelity_pictures"] = _fidelity_pictures(
+                layout, rel, output.resolution, report, options, picture_dir
+            )
         return report
 
     checked = _run_all(shards, _storage_guarded(verify_shard), args.threads)
@@ -232,11 +236,13 @@ def sample_count(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"must be an integer or 'all', got {text!r}") from None
 
 
-def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report: ShardReport, directory) -> Any:
+def _fidelity_pictures(
+    layout: DatasetLayout, rel: str, resolution: str, report: ShardReport, options: VerifyOptions, directory
+) -> Any:
     """The comparison pictures of a shard's failing rows; pictures are for people: a failure to draw
     them is reported in their place and changes no verdict (storage failures still propagate)."""
     try:
-        return write_fidelity_pictures(layout, rel, resolution, report.check(FIDELITY), directory)
+        return write_fidelity_pictures(layout, rel, resolution, report.check(FIDELITY), options.pixels, directory)
     except StorageError:
         raise
     except Exception as exc:  # noqa: BLE001

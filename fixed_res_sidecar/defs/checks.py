@@ -29,10 +29,14 @@ from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 RESIZED_CHECK_DESCRIPTIONS = {
-    verify.SHARD_COMPLETE: "SPEC 7.1: the output shard exists and its row count equals the main shard's.",
+    verify.SHARD_COMPLETE: (
+        "SPEC 7.1: the output shard exists and its row count equals the main shard's; every page matches its "
+        "checksum; its footer records main's current version and the dataset's build settings."
+    ),
     verify.KEYS_MATCH: "SPEC 7.2: the key column equals the main shard's, every row, in order.",
     verify.SAMPLE_IMAGES: (
-        "SPEC 7.3: a deterministic sample of rows decodes; each decoded size equals the audit width x height, "
+        "SPEC 7.3: a deterministic sample of rows decodes in the dataset's output format; each decoded size "
+        "equals the audit width x height, "
         "both sides are multiples of the patch size, the area is near the target and the aspect ratio is within "
         "rounding of the crop box."
     ),
@@ -42,7 +46,7 @@ RESIZED_CHECK_DESCRIPTIONS = {
     ),
     verify.FIDELITY: (
         "The sampled images show the right picture: each is scored against the pipeline's render of its source "
-        "with the settings in the shard's footer (dB relative to a fresh build, 0 = as faithful; fails below "
+        "with the dataset's settings (dB relative to a fresh build, 0 = as faithful; fails below "
         "-3 dB: turned, flipped, channel-swapped, blank, shifted, another row's or heavily re-compressed "
         "pictures). Metadata: min and median score, failing rows by key with their score, and expected | stored "
         "| difference pictures of failing rows."

@@ -278,11 +278,14 @@ class DatasetConfig(_Strict):
 
     def main_problem(self) -> str | None:
         """Why this dataset's main cannot be listed at all, known without a request: a local folder
-        that does not exist (listed, it would look empty, and every known shard removed)."""
-        if self.main.is_s3 or Path(self.main.path).is_dir():
+        that does not exist (listed, it would look empty, and every known shard removed), or a path that
+        is not a folder (a file given for its folder)."""
+        path = Path(self.main.path)
+        if self.main.is_s3 or path.is_dir():
             return None
+        what = "is a file, not a folder" if path.is_file() else "is not a folder" if path.exists() else "does not exist"
         return (
-            f"dataset {self.name!r}, field 'main_prefix': {self.main.uri} does not exist (a local main dataset "
+            f"dataset {self.name!r}, field 'main_prefix': {self.main.uri} {what} (a local main dataset "
             "is a folder of Parquet shards; for the repository's sample, run `sidecar-ops demo` first)"
         )
 
@@ -301,7 +304,7 @@ class DatasetConfig(_Strict):
         return PixelOptions.from_values({**self.model_dump(), **self.limits.model_dump()})
 
     def verify_options(self) -> VerifyOptions:
-        return VerifyOptions(patch_size=self.patch_size, square=self.square, sample=self.verify_sample)
+        return VerifyOptions(pixels=self.pixel_options(), sample=self.verify_sample)
 
 
 class SidecarConfig(_Strict):

@@ -1,15 +1,19 @@
-"""The dataset audit: one dataset's state at a glance, from what the Dagster instance already knows.
+"""The dataset audit: one dataset's state at a glance, from what the Dagster instance knows, checked
+against what storage holds.
 
-It reads the event log, never the data: the materializations of `main`, both resized outputs,
-both verifiers and `crop_bbox` (rows, bytes, valid and invalid counts per error code are in
-their metadata), and the latest result of every per-shard check. It reads incrementally: what
-was read before is kept, per shard, in the instance's key-value store, so each run reads only
-the events recorded lately (the first run reads everything once). Its verdict:
+It reads the event log: the materializations of `main`, both resized outputs, both verifiers and
+`crop_bbox` (rows, bytes, valid and invalid counts per error code are in their metadata), and the
+latest result of every per-shard check. It reads incrementally: what was read before is kept, per
+shard, in the instance's key-value store, so each run reads only the events recorded lately (the
+first run reads everything once; shards holding a deleted run's events are read again whole). And
+it lists each output prefix once (`stored_outputs`: no image, no request per shard) to compare what
+storage holds with the objects the verifiers checked (`ShardLedger.storage_problems`). Its verdict:
 
 Two checks carry it, so that each label says what it means: `dataset_audit` (ERROR severity)
 and `dataset_complete` (WARN severity):
 
-- ERROR when a shard's latest blocking check failed (a verifier's or the sidecar's), or when a
+- ERROR when a shard's latest blocking check failed (a verifier's or the sidecar's), when an output
+  verified is gone from storage or is another object than the one verified, or when a
   finished shard (both verifiers passed on its current build) has no crop_bbox, or one older than
   its latest passed verification, and nothing of the dataset is still running;
 - incomplete (WARN) while work is under way (runs or backfills of the dataset unfinished), shards were
@@ -32,6 +36,7 @@ and the clocks of the machines running the audit agree to within a fraction of i
 import statistics
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +47,7 @@ from fixed_res_sidecar.defs import history, ledger
 from fixed_res_sidecar.defs.dagster_private import BulkActionsFilter, BulkActionStatus
 from fixed_res_sidecar.defs.ledger import ShardLedger
 from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.shards.layout import DatasetLayout
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
@@ -50,6 +56,8 @@ PAGE = 10_000  # event records read at a time
 # connection retries take ~11 s): events younger than this are read again by the next update.
 SETTLE_SECONDS = 300.0
 STATE_VERSION = 2  # 2: a ledger per shard
+RUNS_PER_QUERY = 1000  # run ids asked at once whether the instance still has them
+PARTITIONS_PER_QUERY = 1000  # shards read again at once (those of deleted runs)
 LISTED = 20  # shards named per problem in the audit's text and tables
 UNFINISHED_RUNS = [
     dg.DagsterRunStatus.QUEUED,
@@ -97,10 +105,33 @@ def update_state(
 ) -> int:
     """Read the events recorded lately into the state (those after its settled cursor: see the module's
     docstring); returns how many were new to it. Each is applied to its shard's ledger, which keeps
-    the newer of what it holds and what it is given."""
+    the newer of what it holds and what it is given. Shards holding a materialization of a run deleted
+    since are read again whole first: deleting a run deletes its events, which a state read before
+    still held (the audit from scratch no longer sees them)."""
     started = time.time()
+    read = 0
+    if gone := _shards_of_deleted_runs(instance, state):
+        for rel in gone:
+            del state.shards[rel]
+        for chunk in _chunks(sorted(gone), PARTITIONS_PER_QUERY):
+            read += _read_events(instance, keys, state, after=0, known=0, partitions=chunk)
     after, known = state.cursors.get("settled", 0), state.cursors.get("high", 0)
-    high, read = known, 0
+    read += _read_events(instance, keys, state, after=after, known=known)
+    _settle(state, started, settle_seconds)
+    return read
+
+
+def _read_events(
+    instance: dg.DagsterInstance,
+    keys: DatasetKeys,
+    state: AuditState,
+    after: int,
+    known: int,
+    partitions: list[str] | None = None,
+) -> int:
+    """Apply the events after storage id `after` (of `partitions` only, when given) to the state's ledgers;
+    returns how many were new to it (`known`: the largest id read before). Moves the "high" cursor."""
+    high, read = max(known, state.cursors.get("high", 0)), 0
     ledgers: dict[str, ShardLedger] = {}  # the shards touched by this update
 
     def ledger_of(rel: str) -> ShardLedger:
@@ -109,7 +140,7 @@ def update_state(
         return ledgers[rel]
 
     for name, key in history.asset_keys(keys).items():
-        for record in _new_events(instance.fetch_materializations, key, after):
+        for record in _new_events(instance.fetch_materializations, key, after, partitions):
             high = max(high, record.storage_id)
             rel = record.partition_key
             if rel is None:
@@ -121,7 +152,7 @@ def update_state(
             read += 1
             _keep_numbers(state.shards.setdefault(rel, {}), name, record)
     # Shards the discovery sensor found removed from main (an observation; a later materialization undoes it).
-    for record in _new_events(instance.fetch_observations, keys.main, after):
+    for record in _new_events(instance.fetch_observations, keys.main, after, partitions):
         high = max(high, record.storage_id)
         rel = record.partition_key
         if rel is not None and history.is_removal(record):
@@ -131,7 +162,10 @@ def update_state(
     # The latest result per check and shard (what the storage holds now, so applied as it is).
     names = {key: name for name, key in history.check_keys(keys).items()}
     infos = history.storage_call(
-        instance.event_log_storage.get_asset_check_partition_info, list(names), after_storage_id=after
+        instance.event_log_storage.get_asset_check_partition_info,
+        list(names),
+        after_storage_id=after,
+        partition_keys=partitions,
     )
     for info in infos:
         high = max(high, info.latest_check_event_storage_id)
@@ -145,8 +179,26 @@ def update_state(
     for rel, shard_ledger in ledgers.items():
         state.shards.setdefault(rel, {})["ledger"] = shard_ledger.to_json()
     state.cursors["high"] = high
-    _settle(state, started, settle_seconds)
     return read
+
+
+def _shards_of_deleted_runs(instance: dg.DagsterInstance, state: AuditState) -> set[str]:
+    """The shards whose ledger holds a materialization of a run the instance no longer has (one query per
+    RUNS_PER_QUERY runs; runless events, such as main's, have no run to delete)."""
+    runs_of: dict[str, set[str]] = {}
+    for rel, shard in state.shards.items():
+        for fields in shard.get("ledger", {}).get("m", {}).values():
+            if fields[1]:
+                runs_of.setdefault(fields[1], set()).add(rel)
+    existing: set[str] = set()
+    for chunk in _chunks(sorted(runs_of), RUNS_PER_QUERY):
+        existing.update(history.storage_call(instance.get_run_ids, dg.RunsFilter(run_ids=chunk), limit=len(chunk)))
+    return {rel for run_id, rels in runs_of.items() if run_id not in existing for rel in rels}
+
+
+def _chunks(items: list[str], size: int):
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -> None:
@@ -178,10 +230,10 @@ def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
         state.marks = [mark for mark in state.marks if mark[0] > started - settle_seconds]
 
 
-def _new_events(fetch, key: dg.AssetKey, after: int):
-    """Event records of `key` after storage id `after`, oldest first, a page at a time (`fetch` is the
-    instance's fetch_materializations or fetch_observations)."""
-    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after)
+def _new_events(fetch, key: dg.AssetKey, after: int, partitions: list[str] | None = None):
+    """Event records of `key` after storage id `after` (of `partitions` only, when given), oldest first, a page
+    at a time (`fetch` is the instance's fetch_materializations or fetch_observations)."""
+    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after, asset_partitions=partitions)
     cursor = None
     while True:
         page = history.storage_call(fetch, records_filter, limit=PAGE, cursor=cursor, ascending=True)
@@ -233,6 +285,8 @@ class DatasetAudit:
     crop_missing: list[str] = field(default_factory=list)  # finished shards without a crop_bbox
     crop_stale: list[str] = field(default_factory=list)  # crop_bbox older than the latest passed verification
     orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
+    # shard -> output -> how storage no longer holds what was verified (gone, or another object)
+    changed: dict[str, dict[str, str]] = field(default_factory=dict)
     under_way: str | None = None  # what is still running, if anything
     # resolution -> fidelity over the latest verification of every shard: rows compared, failing rows, rows per
     # score bin, the lowest score and the shards' median scores
@@ -240,7 +294,7 @@ class DatasetAudit:
 
     @property
     def failed_shards(self) -> list[str]:
-        return sorted({rel for shards in self.failed.values() for rel in shards})
+        return sorted({rel for shards in self.failed.values() for rel in shards} | set(self.changed))
 
     @property
     def error(self) -> bool:
@@ -266,6 +320,11 @@ class DatasetAudit:
         parts = []
         for check, shards in sorted(self.failed.items()):
             parts.append(f"{check} FAILED on {len(shards)} shard(s): {_names(shards)}")
+        if self.changed:
+            shown = [f"{rel} ({'; '.join(problems.values())})" for rel, problems in sorted(self.changed.items())]
+            parts.append(
+                f"{len(self.changed)} shard(s) whose outputs on storage are not what was verified: {_names(shown)}"
+            )
         if self.crop_missing:
             parts.append(f"{len(self.crop_missing)} verified shard(s) without crop_bbox: {_names(self.crop_missing)}")
         if self.crop_stale:
@@ -299,6 +358,10 @@ class DatasetAudit:
             for rel in shards[:LISTED]
         ]
         rows += [
+            dg.TableRecord({"shard": rel, "problem": "; ".join(problems.values())})
+            for rel, problems in sorted(self.changed.items())[:LISTED]
+        ]
+        rows += [
             dg.TableRecord({"shard": rel, "problem": "verified, no crop_bbox"}) for rel in self.crop_missing[:LISTED]
         ]
         rows += [
@@ -313,6 +376,7 @@ class DatasetAudit:
         numbers = {
             "orphaned_shards": len(self.orphans),
             "failed_shards": len(self.failed_shards),
+            "changed_on_storage_shards": len(self.changed),
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
             "shards": self.shards,
@@ -332,6 +396,7 @@ class DatasetAudit:
             "main_bytes": self.main_bytes,
             "crop_bbox_shards": self.crop_shards,
             "failed_shards": len(self.failed_shards),
+            "changed_on_storage_shards": len(self.changed),
             "crop_bbox_missing": len(self.crop_missing),
             "crop_bbox_stale": len(self.crop_stale),
             "orphaned_shards": len(self.orphans),
@@ -369,10 +434,16 @@ class DatasetAudit:
 
 
 def evaluate(
-    instance: dg.DagsterInstance, keys: DatasetKeys, state: AuditState, own_run_id: str | None = None
+    instance: dg.DagsterInstance,
+    keys: DatasetKeys,
+    state: AuditState,
+    stored: Mapping[str, Mapping[str, str]] | None = None,
+    own_run_id: str | None = None,
 ) -> DatasetAudit:
     """The audit over the current partitions, and the shards removed from main (orphans), by the
-    ledger's rules."""
+    ledger's rules. `stored`: output name ("resized_512", "crop_bbox") -> shard -> the stamp its listing
+    shows now (`stored_outputs`); a shard whose verified outputs storage no longer holds as they were
+    fails (None: storage not compared)."""
     audit = DatasetAudit(keys.dataset)
     ledgers = {rel: state.ledger(rel) for rel in state.shards}
     # Removed shards: their partitions are retired, their outputs kept (orphans).
@@ -394,6 +465,10 @@ def evaluate(
         failed = shard_ledger.failed_checks()
         for name in failed:
             audit.failed.setdefault(f"{keys.dataset}/{name}", []).append(rel)
+        if stored is not None:
+            now = {name: listing.get(rel) for name, listing in stored.items()}
+            if problems := shard_ledger.storage_problems(now):
+                audit.changed[rel] = problems
         for resolution in RESOLUTION_NAMES:
             if resolution in shard:
                 audit.built[resolution] += 1
@@ -404,7 +479,8 @@ def evaluate(
                 audit.invalid[resolution] += invalid
                 audit.errors[resolution].update(errors)
             _add_fidelity(audit.fidelity[resolution], shard.get(f"fidelity_{resolution}"))
-            if shard_ledger.unverified(resolution) is None:
+            changed = ledger.resized(resolution) in audit.changed.get(rel, {})
+            if shard_ledger.unverified(resolution) is None and not changed:
                 audit.verified[resolution] += 1
             elif not any(name.startswith(f"{ledger.verifier(resolution)}:") for name in failed):
                 audit.not_verified[resolution].append(rel)
@@ -457,9 +533,22 @@ def _names(shards: list[str]) -> str:
     return shown + (f", ... ({len(shards) - LISTED} more)" if len(shards) > LISTED else "")
 
 
-def audit_dataset(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None = None) -> DatasetAudit:
-    """Bring the dataset's audit state up to date and evaluate it (from the run `own_run_id`)."""
+def stored_outputs(layout: DatasetLayout) -> dict[str, dict[str, str]]:
+    """What storage holds of a dataset's outputs, as the ledger names them: output -> shard -> stamp (the
+    fingerprint a verifier records). One listing per output prefix: at 100,000 shards on S3, about 100 LIST
+    calls each, never a request per shard."""
+    locations = {ledger.resized(name): output.location for name, output in layout.resized.items()}
+    if layout.sidecar is not None:
+        locations[ledger.CROP_BBOX] = layout.sidecar
+    return {name: location.shard_stamps() for name, location in locations.items()}
+
+
+def audit_dataset(
+    instance: dg.DagsterInstance, keys: DatasetKeys, layout: DatasetLayout, own_run_id: str | None = None
+) -> DatasetAudit:
+    """Bring the dataset's audit state up to date and evaluate it against what storage holds of `layout`'s
+    outputs (from the run `own_run_id`)."""
     state = history.storage_call(load_audit_state, instance, keys.dataset)
     update_state(instance, keys, state)
     history.storage_call(save_audit_state, instance, keys.dataset, state)
-    return evaluate(instance, keys, state, own_run_id)
+    return evaluate(instance, keys, state, stored_outputs(layout), own_run_id)

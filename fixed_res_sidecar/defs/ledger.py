@@ -13,6 +13,8 @@ stated here once:
   every sidecar check passed on it;
 - failed: a check whose latest result failed;
 - removed: main's latest word on the shard is that a complete listing no longer has it;
+- changed on storage: an output verified (or a crop current) that storage no longer holds, or holds
+  as another object than the one its checks passed on;
 - stale: main's shard changed since the resized outputs were built from it;
 - a run's decision per shard: build, restate, skip or refuse, with the reason in plain words.
 """
@@ -120,8 +122,9 @@ class Action(StrEnum):
 class Decision:
     action: Action
     reason: str  # in plain words, for the run's log
-    # When the run crops without verifying both resolutions itself: why the gate refuses the crop
-    # (empty: both verified on record). None when the run verifies both itself, or does not crop.
+    # When the run crops without verifying both resolutions itself: why the record refuses the crop for
+    # the resolutions the run does not verify (empty: verified on record; the run's own reports gate the
+    # others). None when the run verifies both itself, or does not crop.
     gate: tuple[str, ...] | None = None
 
 
@@ -223,10 +226,33 @@ class ShardLedger:
                 return f"{asset}:{name} passed on an older {asset}, not on its latest ({materialization.described()})"
         return None
 
-    def gate(self) -> tuple[str, ...]:
+    def gate(self, verified_now: Sequence[str] = ()) -> tuple[str, ...]:
         """Why crop_bbox must not be built from what is on record (SPEC 7's gate); empty when both
-        resolutions are verified."""
-        return tuple(problem for r in RESOLUTION_NAMES if (problem := self.unverified(r)))
+        resolutions are verified. `verified_now`: resolutions a run verifies itself (its own reports
+        gate those, whatever the record says)."""
+        return tuple(problem for r in RESOLUTION_NAMES if r not in verified_now and (problem := self.unverified(r)))
+
+    def storage_problems(self, stored: Mapping[str, str | None]) -> dict[str, str]:
+        """Output -> why storage does not hold what was verified: `stored` maps an output ("resized_512",
+        "crop_bbox") to the stamp a listing shows for it now (None: not there). Compared only where the
+        record vouches for the output (verified, crop current) and says which object it checked."""
+        vouched = {resized(r): self.latest(verifier(r)) for r in RESOLUTION_NAMES if self.unverified(r) is None}
+        if self.crop_problem() is None:
+            vouched[CROP_BBOX] = self.latest(CROP_BBOX)
+        problems = {}
+        for name, checked in vouched.items():
+            if checked is None or checked.fingerprint is None or name not in stored:
+                continue
+            what = "its crop_bbox" if name == CROP_BBOX else f"its {name.removeprefix('resized_')} output"
+            now = stored[name]
+            if now is None:
+                problems[name] = f"{what} is gone from storage (verified by {checked.described()})"
+            elif now != checked.fingerprint:
+                problems[name] = (
+                    f"{what} on storage is not the object verified by {checked.described()} "
+                    f"(verified {checked.fingerprint}, now {now})"
+                )
+        return problems
 
     def stale(self) -> str | None:
         """Why the resized outputs describe an older main shard; None when they do not (or nothing says)."""
@@ -277,7 +303,7 @@ class ShardLedger:
         materializations (in build order), the outputs are still the objects that were checked
         (`outputs.changed`), and they are up to date (`outputs.outdated`): storage is asked only then.
         """
-        gate = self.gate() if stages.crop and set(stages.verify) != set(RESOLUTION_NAMES) else None
+        gate = self.gate(stages.verify) if stages.crop and set(stages.verify) != set(RESOLUTION_NAMES) else None
         if not in_main:
             return Decision(Action.SKIP, "skipped: no longer in the main dataset; its outputs are kept")
         if not (stages.resize or stages.verify) and gate:

@@ -2,7 +2,7 @@
 
 Discovery (`<dataset>__discover_shards`, on the dataset's interval) lists the main prefix page
 by page and compares it with what it saw before (kept per shard in the instance's key-value
-store: the listing's stamp, size and ETag or modification time, and the pass that last saw it):
+store: the listing's stamp, size and ETag or size, times and inode, and the pass that last saw it):
 
 - a new shard becomes a partition (added in chunks of at most 10k keys);
 - a changed shard (another stamp: rewritten in place) is recorded again;

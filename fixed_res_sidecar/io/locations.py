@@ -81,11 +81,16 @@ class ShardEntry(NamedTuple):
 
     rel: str
     size: int
-    stamp: str  # changes when the object is rewritten: "size:mtime_ns" locally, "size:etag" on S3
+    stamp: str  # changes when the object is rewritten: "size:mtime_ns:ctime_ns:inode" locally, "size:etag" on S3
 
 
 def _local_stamp(stat: os.stat_result) -> str:
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
+    """A local file's identity from one stat: size and modification time, which a same-size rewrite can
+    restore (`touch -d`, `os.utime`, `rsync -t`), and what nobody can set back: the inode's change time
+    (set by every write and every `utime`) and the inode's number (another file renamed over it).
+    Also changed by chmod, chown, a new hard link or a copy: such a shard counts as changed (rebuilt, to
+    the same bytes). A content hash would cost a full read of every main shard on every check."""
+    return f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ctime_ns}:{stat.st_ino}"
 
 
 def _s3_stamp(size: int, etag: str) -> str:
@@ -184,6 +189,10 @@ class Location:
         """rel -> bytes of every shard, sorted by rel (what `aws s3 ls --recursive` shows)."""
         return dict(sorted((e.rel, e.size) for page in self.iter_shard_entries(suffix, 1000) for e in page))
 
+    def shard_stamps(self, suffix: str = SHARD_SUFFIX) -> dict[str, str]:
+        """rel -> stamp (what `fingerprint` gives) of every shard, from one listing (no stat or HEAD per shard)."""
+        return {e.rel: e.stamp for page in self.iter_shard_entries(suffix, 1000) for e in page}
+
     def iter_shard_entries(
         self, suffix: str = SHARD_SUFFIX, page_size: int = 1000, start_after: str | None = None
     ) -> Iterator[list["ShardEntry"]]:
@@ -226,7 +235,7 @@ class Location:
         A folder that cannot be read (no permission, vanished meanwhile, an I/O error) raises
         StorageError naming it: leaving it out would make its shards look removed. Only a root
         that does not exist lists as empty, as an S3 prefix without objects does (an output
-        before its first shard).
+        before its first shard); a root that is a file raises LocationError (bad configuration).
         """
         found, links = [], {}
         folders = [""]
@@ -252,6 +261,9 @@ class Location:
             except OSError as exc:
                 if not folder and not os.path.lexists(path):
                     break  # the root does not exist: no shards
+                if not folder and not os.path.isdir(path):  # not storage failing: a wrong location
+                    what = "a file" if os.path.isfile(path) else "not a folder"
+                    raise LocationError(f"{self.uri} is {what}, not a folder of shards") from None
                 raise StorageError(
                     f"storage failed listing {path} (in {self.uri}): {describe_exception(exc, 300)}"
                 ) from exc
@@ -296,8 +308,9 @@ class Location:
             return f.read()
 
     def fingerprint(self, rel: str) -> str | None:
-        """What changes when the object at `rel` is rewritten: size and modification time locally, size and
-        ETag on S3 (one stat or HEAD; nothing is read). None when it does not exist."""
+        """What changes when the object at `rel` is rewritten: size, modification and change times and inode
+        locally (`_local_stamp`), size and ETag on S3 (one stat or HEAD; nothing is read). None when it does
+        not exist."""
         rel = _check_rel(rel)
         if self.is_s3:
             try:

@@ -130,8 +130,9 @@ def describe(exc: BaseException) -> str:
 
 
 def source_fingerprint(location: Location, rel: str, parquet_file: pq.ParquetFile | None = None) -> str:
-    """A main shard's identity, cheap at any scale: its object stamp (size and ETag on S3, size and
-    modification time locally), its footer's row count and a hash of its footer. No image is read.
+    """A main shard's identity, cheap at any scale: its object stamp (size and ETag on S3; size, modification
+    and change times and inode locally: `Location.fingerprint`), its footer's row count and a hash of its
+    footer. No image is read.
 
     Outputs record it in their footers (`shards/settings.py`): an output built from another
     fingerprint of its main shard is stale.

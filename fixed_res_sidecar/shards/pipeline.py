@@ -6,7 +6,6 @@ data's fault (a storage failure, a crash): a shard that cannot be read or fails 
 an outcome to record, so one shard of a batch never stops the others.
 """
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,10 +20,12 @@ from fixed_res_sidecar.shards.overlay import write_overlays
 from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, ResizeTargets, ShardResult, build_resized_shard
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
+    ReportError,
     ShardReport,
     SharedRenders,
     VerifyOptions,
     failed_outputs,
+    load_report,
     report_rel,
     still_failed,
     verify_crop_bbox_shard,
@@ -104,9 +105,9 @@ def run_stages(
 ) -> ShardOutcome:
     """Run `stages` for shard `rel`.
 
-    The crop stage is gated (SPEC 7): on this run's verifier reports when both resolutions are
-    verified here, else on `recorded_gate_problems` (what the caller knows from earlier runs;
-    None when it knows nothing, which refuses).
+    The crop stage is gated (SPEC 7): on this run's verifier reports for the resolutions verified here,
+    and on `recorded_gate_problems` for the others (what the caller knows from earlier runs; None when
+    it knows nothing, which refuses).
     """
     started = time.monotonic()
     check_output_names(layout, rel, stages)
@@ -135,7 +136,7 @@ def run_stages(
         reports = layout.report_location(f"resized_{resolution}")
         outcome.report_paths[resolution] = reports.child(write_report(reports, rel, report, protect=layout.read_only))
         if not report.check(FIDELITY).passed:
-            outcome.fidelity_pictures[resolution] = _fidelity_pictures(layout, rel, resolution, report)
+            outcome.fidelity_pictures[resolution] = _fidelity_pictures(layout, rel, resolution, report, options)
     if stages.crop:
         _crop(layout, rel, stages, options, recorded_gate_problems, outcome)
     outcome.seconds = time.monotonic() - started
@@ -163,16 +164,18 @@ def failed_on_record(layout: DatasetLayout, rel: str, resolutions: tuple[str, ..
         reports, name = layout.report_location(f"resized_{resolution}"), report_rel(rel)
         if reports.exists(name):
             try:
-                failed.update(failed_outputs(json.loads(reports.read_bytes(name))))
-            except ValueError:  # an unreadable report says nothing
+                failed.update(failed_outputs(load_report(reports.read_bytes(name), reports.child(name))))
+            except ReportError:  # an unreadable report says nothing
                 continue
     return still_failed(layout, rel, failed)
 
 
-def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report: ShardReport) -> list[str] | str:
+def _fidelity_pictures(
+    layout: DatasetLayout, rel: str, resolution: str, report: ShardReport, options: PipelineOptions
+) -> list[str] | str:
     try:
         return write_fidelity_pictures(
-            layout, rel, resolution, report.check(FIDELITY), layout.report_location("fidelity")
+            layout, rel, resolution, report.check(FIDELITY), options.verify.pixels, layout.report_location("fidelity")
         )
     except StorageError:
         raise
@@ -181,17 +184,19 @@ def _fidelity_pictures(layout: DatasetLayout, rel: str, resolution: str, report:
 
 
 def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome) -> None:
+    # This run's own reports gate the resolutions it verified; the record (`recorded_gate_problems`) the others.
+    failed_here = [
+        f"{report.shard} did not pass the verifier: {', '.join(c.name for c in report.failed_checks)} "
+        f"({report.failed_checks[0].message})"
+        for report in outcome.reports.values()
+        if not report.passed
+    ]
     if set(stages.verify) == set(layout.resized):
-        outcome.crop_refused = [
-            f"{report.shard} did not pass the verifier: {', '.join(c.name for c in report.failed_checks)} "
-            f"({report.failed_checks[0].message})"
-            for report in outcome.reports.values()
-            if not report.passed
-        ]
+        outcome.crop_refused = failed_here
     elif recorded_gate_problems is None:
         outcome.crop_refused = ["no verification of this shard is known"]
     else:
-        outcome.crop_refused = list(recorded_gate_problems)
+        outcome.crop_refused = failed_here + list(recorded_gate_problems)
     if outcome.crop_refused:
         return
     try:

@@ -84,6 +84,23 @@ def staleness(
     return None
 
 
+def settings_difference(recorded: Any, expected: dict[str, Any]) -> str | None:
+    """How an output's recorded build settings differ from those it is `expected` to have been built with, in
+    words; None when they agree. Library versions are not compared: the same settings on another machine's
+    libwebp make a good output (the fidelity check compares the pictures); skip-existing compares them."""
+    if recorded is None:
+        return "it records no build settings"
+    if not isinstance(recorded, dict):
+        return "its recorded build settings are not readable (not a JSON object)"
+    wanted = _normalised({name: value for name, value in expected.items() if name != "versions"})
+    differing = [
+        f"{name} {json.dumps(recorded.get(name))} (expected {json.dumps(value)})"
+        for name, value in wanted.items()
+        if recorded.get(name) != value
+    ]
+    return "its footer records other build settings than expected: " + ", ".join(differing) if differing else None
+
+
 def resized_sources(layout, rel: str, main_shard: pq.ParquetFile | None = None) -> dict[str, Any]:
     """The fingerprints of what a resized shard is made from: its main shard."""
     return {"main": source_fingerprint(layout.main, rel, main_shard)}

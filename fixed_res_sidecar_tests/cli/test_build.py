@@ -2,6 +2,7 @@
 
 import argparse
 import io
+import json
 import os
 import signal
 import subprocess
@@ -83,6 +84,14 @@ def test_a_broken_shard_fails_alone_and_is_named(sample_main, tmp_path):
     assert Location.parse(out).list_shards() == sorted(SHARDS)
 
 
+def test_a_main_prefix_that_is_a_file_is_a_usage_error_naming_it(sample_main, tmp_path):
+    shard = Path(sample_main.child(SHARDS[0]))
+    result = sidecar_ops("build-0-262mp", "--main-prefix", str(shard), "--output-prefix", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr  # not 3: rerunning would not help
+    assert f"sidecar-ops: error: {shard} is a file, not a folder of shards" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_output_folder_linked_into_main_never_gets_written(sample_main, tmp_path):
     # out512/nested -> main/nested: the prefixes do not overlap, the real paths do.
     out_512 = tmp_path / "512"
@@ -156,15 +165,22 @@ def _build_command(command: str) -> argparse.ArgumentParser:
     return subcommands.choices[command]
 
 
-@pytest.mark.parametrize("command", ["build-0-262mp", "build-1-05mp", "build-both"])
+REQUIRED = {
+    "build-0-262mp": ["--main-prefix", "/m", "--output-prefix", "/a"],
+    "build-1-05mp": ["--main-prefix", "/m", "--output-prefix", "/a"],
+    "build-both": ["--main-prefix", "/m", "--output-prefix-512", "/a", "--output-prefix-1024", "/b"],
+    # The verifiers take the same flags: the settings the dataset is expected to have been built with.
+    "verify-resized": ["--main-prefix", "/m", "--output-prefix", "/a", "--key-column", "k", "--audit-prefix", "p"],
+    "build-crop-bbox": ["--main-prefix", "/m", "--resized-512-prefix", "/a", "--resized-1024-prefix", "/b",
+                        "--output-prefix", "/c", "--key-column", "k"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(REQUIRED))
 def test_pixel_flags_refuse_exactly_the_cores_bounds(command, capsys):
     """The flags' limits and formats are core.pixel_settings's, as the datasets file's are (test_config.py)."""
     parser = _build_command(command)
-    required = ["--main-prefix", "/m"] + (
-        ["--output-prefix-512", "/a", "--output-prefix-1024", "/b"]
-        if command == "build-both"
-        else ["--output-prefix", "/a"]
-    )
+    required = REQUIRED[command]
     for name, bound in SETTING_BOUNDS.items():
         flag = "--" + name.replace("_", "-")
         inside, outside = bound_edges(bound)
@@ -504,6 +520,73 @@ def test_rebuild_failed_repairs_the_shards_a_verifier_report_failed(sample_main,
     assert sidecar_ops(*verify).returncode == 0
     # The report is about an object that is gone now: the same command skips the rebuilt shard.
     assert "3 total, 0 built, 3 skipped" in sidecar_ops(*build, "--rebuild-failed", str(report)).stdout
+
+
+@pytest.mark.parametrize(
+    ("report", "message"),
+    [
+        ('{"shards":[{"kind":"resized","passed":false}]}', "shards[0]: 'shard' must be the checked shard's URI"),
+        ('{"shards":[{"kind":"resized","passed":false,"shard":["x"]}]}', "shards[0]: 'shard' must be the checked"),
+        (
+            '{"shards":[{"kind":"resized","passed":false,"shard":"x","stats":"x"}]}',
+            "'stats' must be an object, got text",
+        ),
+        ("[" * 200_000, "not a verifier report (its JSON is nested too deeply)"),
+    ],
+    ids=["no_shard", "shard_a_list", "stats_text", "deep_nesting"],
+)
+def test_rebuild_failed_refuses_a_malformed_report_naming_the_problem(sample_main, tmp_path, report, message):
+    """Reported: each of these ended in a traceback (KeyError, TypeError, AttributeError, RecursionError) and exit 1."""
+    (tmp_path / "report.json").write_text(report)
+    result = sidecar_ops("build-both", "--main-prefix", sample_main.uri, "--output-prefix-512", str(tmp_path / "a"),
+                         "--output-prefix-1024", str(tmp_path / "b"), "--rebuild-failed", str(tmp_path / "report.json"))  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"sidecar-ops: error: --rebuild-failed {tmp_path / 'report.json'}: " in result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_rebuild_failed_says_which_failed_shards_it_ignores_and_why(sample_main, tmp_path):
+    """Reported: entries outside the outputs, with '../', naming main or another dataset were ignored silently,
+    and a report matching no output of the build was accepted with exit 0."""
+    out = {r: tmp_path / "out" / r for r in ("512", "1024")}
+
+    def entry(shard: str) -> dict:
+        return {"kind": "resized", "passed": False, "shard": shard, "stats": {"output_fingerprint": None}}
+
+    foreign = [
+        entry(f"{out['512']}/../512/{SHARDS[0]}"),
+        entry(sample_main.child(SHARDS[1])),
+        entry(f"{tmp_path}/other_dataset/{SHARDS[0]}"),
+        entry(f"{out['512']}/gone.parquet"),
+    ]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"shards": foreign}))
+    build = ["build-both", "--main-prefix", sample_main.uri, "--output-prefix-512", str(out["512"]),
+             "--output-prefix-1024", str(out["1024"]), "--rebuild-failed", str(report)]  # fmt: skip
+    refused = sidecar_ops(*build)
+    assert refused.returncode == 2 and not out["512"].exists()
+    assert (
+        "--rebuild-failed: none of the 4 failed shard(s) in the report(s) is an output of this build" in refused.stderr
+    )
+    for reason in (
+        "its path holds '.' or '..' segments",
+        "it is in the main dataset, which is read only",
+        f"not under this build's outputs ({out['512']}, {out['1024']})",
+        "the main dataset has no shard 'gone.parquet'",
+    ):
+        assert reason in refused.stderr
+    # With one failed output of this build among them, the build goes on, naming what it ignores.
+    report.write_text(json.dumps({"shards": [*foreign, entry(f"{out['1024']}/{SHARDS[2]}")]}))
+    mixed = sidecar_ops(*build)
+    assert mixed.returncode == 0, mixed.stderr
+    assert "--rebuild-failed: 4 failed shard(s) of the reports ignored:" in mixed.stderr
+    assert "--rebuild-failed: 1 failed output(s) of this build to repair" in mixed.stderr
+    # A report in which nothing failed: nothing to repair, said so.
+    report.write_text(json.dumps({"shards": [{**entry(f"{out['512']}/{SHARDS[0]}"), "passed": True}]}))
+    passed = sidecar_ops(*build, "--skip-existing")
+    assert passed.returncode == 0 and "the reports name no failed resized shard: nothing to repair" in passed.stderr
+    assert "3 total, 0 built, 3 skipped" in passed.stdout
 
 
 def test_rebuild_failed_refuses_an_unreadable_report(sample_main, tmp_path):

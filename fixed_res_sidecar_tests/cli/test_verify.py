@@ -475,3 +475,50 @@ def test_verify_resized_names_each_wrong_picture_with_its_score_and_draws_it(sid
     others = [s for s in document["shards"] if s["rel"] != REL]
     assert all(s["passed"] for s in others)
     assert all(c["metadata"]["min_score"] >= -3 for s in others for c in s["checks"] if c["name"] == "fidelity")
+
+
+@pytest.mark.parametrize(
+    ("flags", "words", "failed"),
+    [
+        (["--quality", "80"], "quality 80 (expected 95)", {"shard_complete", "fidelity"}),
+        (["--output-format", "jpeg"], 'output_format "jpeg" (expected "webp")', {"shard_complete", "sample_images"}),
+        (["--patch-size", "16"], "patch_size 16 (expected 32)", {"shard_complete", "sample_images", "fidelity"}),
+    ],
+    ids=["quality", "format", "patch_size"],
+)
+def test_verify_resized_expects_its_own_flags_not_what_the_footers_say(
+    sample_main, tmp_path, capsys, flags, words, failed
+):
+    """The expected settings are the command's flags, defaults as the build's (WebP q95, patch 32, ...): a
+    dataset built otherwise fails, naming the setting, until it is verified with the flags it was built with.
+    A patch-16 build verified as patch 32 fails its sampled images too."""
+    from fixed_res_sidecar.cli.common import add_pixel_flags, pixel_options
+    from fixed_res_sidecar_tests.fixtures.datasets import build_all, resized_outputs
+
+    outputs = resized_outputs(tmp_path / "out")
+    build_parser = argparse.ArgumentParser()
+    add_pixel_flags(build_parser)
+    build_all(sample_main, outputs, pixel_options(build_parser.parse_args(flags)))
+    paths = {"main": Path(sample_main.path), "512": Path(outputs[0].location.path)}
+    assert run(*resized_args(paths, "512")) == 1
+    out = capsys.readouterr().out
+    assert "shards: 3 checked, 0 passed, 3 failed" in out and words in out
+    assert {line.split()[1] for line in out.splitlines() if line.startswith("FAILED ")} == failed
+    assert run(*resized_args(paths, "512", *flags)) == 0, capsys.readouterr().out
+
+
+def test_one_row_stored_as_jpeg_in_a_webp_shard_fails_verify_resized(sidecar_build, paths, capsys):
+    """Reported: `verify-resized --sample all --fidelity-sample all` exited 0 on a WebP shard with one row
+    re-encoded as JPEG q95 (footer untouched)."""
+    from fixed_res_sidecar_tests.fixtures.datasets import column, first_row
+    from fixed_res_sidecar_tests.shards.verify.test_resized import forge_shard, reencoded
+
+    row = first_row(sidecar_build.r512, REL, "0_26mp_process_valid", True)
+    forge_shard(sidecar_build.r512, REL, reencoded("JPEG", 95), rows={row})
+    assert run(*resized_args(paths, "512", "--sample", "all", "--fidelity-sample", "all")) == 1
+    out = capsys.readouterr().out
+    key = column(sidecar_build.r512, REL, "image_key")[row]
+    assert (
+        f"FAILED sample_images on {REL}: {paths['512'] / REL}: 1 of 8 sampled images failed; row {row} ({key!r})" in out
+    )
+    assert "stored as JPEG, the expected output format is WEBP" in out and "2 passed, 1 failed" in out

@@ -2,8 +2,9 @@
 
 import io
 
+import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFilter
 
 from fixed_res_sidecar.core.fidelity import (
     FIDELITY_MIN_SCORE,
@@ -98,6 +99,58 @@ def test_what_transparent_pixels_hold_does_not_count_but_alpha_does():
     opaque = image.copy()
     opaque.putalpha(255)
     assert psnr(image, opaque) < 10
+
+
+def test_transparent_surroundings_do_not_dilute_the_error():
+    """The same picture and the same damage score the same PSNR opaque and pasted on a transparent canvas
+    16 times its area (averaged over every pixel, the canvas added 12 dB)."""
+    picture = photo_like(64, 64, seed=5)
+    damaged = webp(picture, quality=20)
+    assert 15 < psnr(picture, damaged) < 40
+
+    def on_canvas(image: Image.Image) -> Image.Image:
+        canvas = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+        canvas.paste(image.convert("RGBA"), (96, 96))
+        return canvas
+
+    assert psnr(on_canvas(picture), on_canvas(damaged)) == pytest.approx(psnr(picture, damaged), abs=1e-6)
+    # Where nothing shows in either image, nothing counts; an alpha that appears there does.
+    appeared = on_canvas(picture)
+    appeared.paste((9, 9, 9, 255), (0, 0, 4, 4))
+    assert psnr(on_canvas(picture), appeared) < psnr(on_canvas(picture), on_canvas(picture)) == IDENTICAL_PSNR
+
+
+def cut_out_png(width: int, height: int, visible: float) -> bytes:
+    """A photo cut-out: an ellipse of `visible` of the picture's area with a soft edge, fully transparent around it."""
+    import math
+
+    photo = Image.open(io.BytesIO(make_photo(width, height, 4)[0])).convert("RGB")
+    alpha = Image.new("L", (width, height), 0)
+    scale = math.sqrt(visible * 4 / math.pi)  # the ellipse's axes, as fractions of the sides
+    box = (width * (1 - scale) / 2, height * (1 - scale) / 2, width * (1 + scale) / 2, height * (1 + scale) / 2)
+    ImageDraw.Draw(alpha).ellipse(box, fill=255)
+    photo.putalpha(alpha.filter(ImageFilter.GaussianBlur(4)))
+    return png_bytes(photo)
+
+
+def test_damage_to_a_cut_out_on_a_transparent_background_fails():
+    """Reported: on an RGBA cut-out, WebP q30, q60 and a blur of radius 1.5 all scored 0.00 (the transparent
+    pixels lifted the damaged PSNR above the cap)."""
+    source = cut_out_png(1000, 800, visible=0.2)
+    rendering = Rendering(AREA_1024, PixelOptions(), built_with=(AREA_1024, AREA_512))
+    built = process_image(source, [AREA_1024, AREA_512], PixelOptions())[0]
+    stored = decoded(built.image)
+    assert stored.mode == "RGBA" and 0.15 < np.asarray(stored)[..., 3].mean() / 255 < 0.25
+    good, _ = score_output(source, stored, rendering)
+    assert good.passed and good.score == 0.0
+    damages = {
+        "webp q30": webp(stored, quality=30),
+        "webp q60": webp(stored, quality=60),
+        "blur r1.5": webp(stored.filter(ImageFilter.GaussianBlur(1.5))),
+    }
+    for name, damaged in damages.items():
+        result, _ = score_output(source, damaged, rendering)
+        assert not result.passed and result.score < FIDELITY_MIN_SCORE, (name, result)
 
 
 def test_perfect_outputs_of_flat_pictures_pass_whatever_the_encoders_do_above_the_cap():

@@ -301,8 +301,8 @@ def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_rest
     assert verified.success and restated(verified, KEYS.verify("1024")) == built.run_id
     cropped = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.crop_bbox])
     assert cropped.success and restated(cropped, KEYS.crop_bbox) == built.run_id
-    audit = audit_dataset(instance, KEYS)
-    assert audit.crop_stale == [] and audit.crop_missing == []
+    audit = audit_dataset(instance, KEYS, tiny_config.datasets[0].layout)
+    assert audit.crop_stale == [] and audit.crop_missing == [] and audit.changed == {}
 
 
 def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
@@ -587,3 +587,34 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     evaluation, complete, audit = run_audit(tiny_defs, instance)
     assert evaluation.passed and complete.passed, evaluation.description
     assert audit["512_fidelity_failing_rows"] == 0 and audit["512_fidelity_min_score"] >= -3
+
+
+def test_the_verifier_expects_the_datasets_settings_not_what_a_footer_says(tiny_main, tmp_path, instance):
+    """A dataset configured with quality 80 verifies its own builds; a shard whose footer was changed to
+    say quality 95 (a copy from another build) fails shard_complete naming the setting, and its crop is gated."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from fixed_res_sidecar.shards.settings import SETTINGS_KEY
+
+    config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", quality=80))
+    defs = build_definitions(config)
+    register(instance, config)
+    rel = "part-a.parquet"
+    assert run_shard(defs, instance, "tiny__build_shards", rel).success
+    path = config.datasets[0].output("resized_512").child(rel)
+    table = pq.read_table(path)
+    metadata = dict(table.schema.metadata)
+    metadata[SETTINGS_KEY] = json.dumps({**json.loads(metadata[SETTINGS_KEY]), "quality": 95}).encode()
+    pq.write_table(table.replace_schema_metadata(metadata), path, write_page_checksum=True, row_group_size=4)
+
+    result = run_shard(defs, instance, "tiny__build_shards", rel, selection=[KEYS.verify("512"), KEYS.crop_bbox])
+    assert not result.success
+    failed = {e.check_name: e.description for e in result.get_asset_check_evaluations() if not e.passed}
+    assert set(failed) == {verify.SHARD_COMPLETE}
+    assert (
+        "its footer records other build settings than expected: quality 95 (expected 80)"
+        in failed[verify.SHARD_COMPLETE]
+    )
+    assert "shard_complete" in refusal(result, rel)

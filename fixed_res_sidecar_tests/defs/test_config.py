@@ -346,3 +346,15 @@ def test_audit_prefixes_areas_and_folders_come_from_core_resolutions():
     assert tuple(RESOLUTIONS) == RESOLUTION_NAMES
     with pytest.raises(ValueError, match="unknown resolution '2048'"):
         DatasetKeys("laion").verify("2048")
+
+
+def test_a_local_main_prefix_that_is_a_file_is_named_a_file_not_missing(tmp_path):
+    """Reported: the warning for a main path that is a file said it "does not exist"."""
+    shard = tmp_path / "part-0.parquet"
+    shard.write_bytes(b"PAR1")
+    config = parse_config({"datasets": [entry(main_prefix=str(shard), output_root=str(tmp_path / "out"))]})
+    problem = config.datasets[0].main_problem()
+    assert problem is not None and f"{shard} is a file, not a folder" in problem
+    assert "does not exist" not in problem
+    missing = parse_config({"datasets": [entry(main_prefix=str(tmp_path / "gone"), output_root=str(tmp_path / "o"))]})
+    assert f"{tmp_path / 'gone'} does not exist" in (missing.datasets[0].main_problem() or "")

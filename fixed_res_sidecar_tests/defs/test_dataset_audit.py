@@ -4,6 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 
 from fixed_res_sidecar.defs import dataset_audit
@@ -101,6 +102,68 @@ def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, 
     assert dataset_audit.load_audit_state(instance, "tiny") == again
     instance.run_storage.set_cursor_values({dataset_audit.STATE_KEY.format(dataset="tiny"): "not a state"})
     assert dataset_audit.load_audit_state(instance, "tiny").shards == {}  # unreadable: read everything again
+
+
+def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_audit(tiny_config, tiny_defs, instance):
+    """Reported: the audit read only the event log, so an output deleted or rewritten on disk after it was
+    verified left it passing. It lists each output prefix once and compares with what was verified."""
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    for rel in (GOOD, BAD):
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
+    audit, complete, _ = run_audit(tiny_defs, instance)
+    assert audit.passed and complete.passed
+
+    Path(dataset.output("resized_512").child(GOOD)).unlink()
+    crop = dataset.output("crop_bbox").child(BAD)
+    pq.write_table(pq.read_table(crop), crop)  # the same rows and footer, another object than the one verified
+    audit, _, metadata = run_audit(tiny_defs, instance)
+    assert not audit.passed and audit.description.startswith("tiny FAILED")
+    assert "2 shard(s) whose outputs on storage are not what was verified" in audit.description
+    problems = {r.data["shard"]: r.data["problem"] for r in audit.metadata["problem_shards"].records}
+    assert problems[GOOD].startswith("its 512 output is gone from storage (verified by run ")
+    assert problems[BAD].startswith("its crop_bbox on storage is not the object verified by run ")
+    assert metadata["changed_on_storage_shards"] == 2 and metadata["failed_shards"] == 2
+    assert metadata["512_verified_shards"] == 1 and metadata["1024_verified_shards"] == 2
+    # The audit from scratch says the same.
+    scratch = dataset_audit.AuditState()
+    dataset_audit.update_state(instance, KEYS, scratch)
+    assert dataset_audit.evaluate(instance, KEYS, scratch, dataset_audit.stored_outputs(dataset.layout)).changed == {
+        GOOD: {"resized_512": problems[GOOD]},
+        BAD: {"crop_bbox": problems[BAD]},
+    }
+
+    # A run of each shard rebuilds (or verifies again) what changed; the audit passes again.
+    for rel in (GOOD, BAD):
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert audit.passed and complete.passed, audit.description
+    assert metadata["changed_on_storage_shards"] == 0
+
+
+def test_after_a_run_is_deleted_the_incremental_audit_equals_one_from_scratch(tiny_config, tiny_defs, instance):
+    """Reported: after a run was deleted from the instance, the incremental audit (passed) differed from an
+    audit from scratch (incomplete): the state still held the deleted run's materializations."""
+    layout = tiny_config.datasets[0].layout
+    register(instance, tiny_config)
+    runs = {rel: run_shard(tiny_defs, instance, "tiny__build_shards", rel) for rel in (GOOD, BAD)}
+    assert all(run.success for run in runs.values())
+    state = dataset_audit.AuditState()
+    dataset_audit.update_state(instance, KEYS, state)
+    stored = dataset_audit.stored_outputs(layout)
+    assert dataset_audit.evaluate(instance, KEYS, state, stored).verdict() == "passed"
+
+    instance.delete_run(runs[GOOD].run_id)
+    dataset_audit.update_state(instance, KEYS, state)
+    scratch = dataset_audit.AuditState()
+    dataset_audit.update_state(instance, KEYS, scratch)
+    assert state.shards == scratch.shards
+    incremental = dataset_audit.evaluate(instance, KEYS, state, stored)
+    assert incremental == dataset_audit.evaluate(instance, KEYS, scratch, stored)
+    assert incremental.verdict() == "incomplete" and incremental.not_verified["512"] == [GOOD]
+    # Through the audit asset (its state saved between runs) too.
+    audit, complete, _ = run_audit(tiny_defs, instance)
+    assert audit.passed and not complete.passed and f"not verified at 512 yet: {GOOD}" in complete.description
 
 
 @pytest.fixture

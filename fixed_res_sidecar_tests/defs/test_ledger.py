@@ -261,6 +261,9 @@ def test_the_gate_is_the_ledgers_only_when_the_run_does_not_verify_both_resoluti
     partial = REBUILT_UNVERIFIED.decide(Stages(resize=("1024",), verify=("1024",), crop=True), True, storage)
     assert partial.action is Action.BUILD and partial.gate == (REBUILT_UNVERIFIED.unverified("512"),)
     assert complete().decide(CROP_ONLY, False, storage).gate == ()  # verified on record: the crop may run
+    # The resolution a run verifies itself is gated by its own report, not by the record.
+    own = REBUILT_UNVERIFIED.decide(Stages(verify=("512",), crop=True), True, storage)
+    assert own.action is Action.BUILD and own.gate == ()
 
 
 def test_a_restated_fingerprint_set_covers_what_the_stages_vouch_for():
@@ -303,3 +306,18 @@ def test_a_ledger_survives_its_json(shard):
         n: (c.state, c.target, c.event) for n, c in shard.checks.items()
     }
     assert again.state() is shard.state()
+
+
+def test_storage_is_compared_with_what_the_record_vouches_for():
+    as_verified = {"resized_512": "fp-512", "resized_1024": "fp-1024", "crop_bbox": "fp-crop"}
+    assert complete().storage_problems(as_verified) == {}
+    gone = complete().storage_problems({**as_verified, "resized_512": None})
+    assert gone == {"resized_512": "its 512 output is gone from storage (verified by run build-ru)"}
+    changed = complete().storage_problems({**as_verified, "crop_bbox": "fp-other"})["crop_bbox"]
+    assert changed.startswith("its crop_bbox on storage is not the object verified by run build-ru")
+    assert "(verified fp-crop, now fp-other)" in changed
+    # What the record does not vouch for is not compared: an output rebuilt since it was verified (the
+    # shard is unverified anyway), and an output a listing did not cover.
+    assert REBUILT_UNVERIFIED.storage_problems({**as_verified, "resized_512": None}) == {}
+    assert complete().storage_problems({"resized_1024": "fp-1024"}) == {}
+    assert NEVER_BUILT.storage_problems({name: None for name in as_verified}) == {}

@@ -204,6 +204,9 @@ def test_a_local_folder_that_cannot_be_listed_is_an_error_naming_it(tmp_path):
             location.list_shards()
     # A location that does not exist yet (an output before its first shard) holds no shards, as on S3.
     assert Location.parse(tmp_path / "not-yet").list_shards() == []
+    # A file given for a folder is a wrong location, not storage failing (which a rerun would not fix).
+    with pytest.raises(LocationError, match=f"{tmp_path / 'main' / 'a.parquet'} is a file, not a folder of shards"):
+        Location.parse(tmp_path / "main" / "a.parquet").list_shards()
 
 
 RESUME_ORDER = ["a-b.parquet", "a/x.parquet", "a/y/z.parquet", "a0.parquet", "b/c/d.parquet", "b/e.parquet"]

@@ -1,6 +1,7 @@
 """Opening shards (one ShardError naming the shard) and main shards' fingerprints."""
 
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -71,6 +72,30 @@ def test_a_fingerprint_changes_with_the_shard_and_only_with_it(shards):
 
     with pytest.raises(ShardError, match="main shard .*gone.parquet is missing"):
         source_fingerprint(shards, "gone.parquet")
+
+
+def test_a_same_size_rewrite_with_its_modification_time_restored_changes_the_fingerprint(shards):
+    """Reported: rewritten in place with the same size and footer, its mtime set back, a local main shard kept
+    its fingerprint. The inode's change time cannot be set back; another file renamed over it has another inode."""
+    path = shards.child("a.parquet")
+    first, before = source_fingerprint(shards, "a.parquet"), os.stat(path)
+    data = bytearray(Path(path).read_bytes())
+    offset = data.index(b"image-3")
+    data[offset : offset + 7] = b"IMAGE-3"
+    with open(path, "r+b") as file:  # in place: same inode, same size, the footer untouched
+        file.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(path)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert source_fingerprint(shards, "a.parquet") != first
+    # Replaced by a copy of the same bytes, its times set back: another inode.
+    second = source_fingerprint(shards, "a.parquet")
+    copy = shards.child("copy.parquet")
+    with open(copy, "wb") as file:
+        file.write(data)
+    os.utime(copy, ns=(after.st_atime_ns, after.st_mtime_ns))
+    os.replace(copy, path)
+    assert source_fingerprint(shards, "a.parquet") != second
 
 
 def test_keys_that_are_not_utf8_are_fingerprinted_without_decoding(shards):

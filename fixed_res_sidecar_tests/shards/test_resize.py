@@ -185,6 +185,44 @@ def test_skip_existing_follows_row_count_and_settings(sample_main, tmp_path):
     assert outputs[1].location.parquet_file(rel).metadata.num_rows == 10
 
 
+def test_skip_existing_rebuilds_a_shard_whose_footer_lies_about_its_settings(sample_main, tmp_path):
+    """A footer edited to record other settings than the shard was built with (its pictures untouched) is
+    not up to date: skip-existing compares the footer with the current settings and rebuilds it."""
+    import json
+
+    from fixed_res_sidecar.shards.settings import SETTINGS, SETTINGS_KEY
+
+    outputs = resized_outputs(tmp_path / "out")
+    rel = SHARDS[0]
+    build_resized_shard(layout_of(sample_main, outputs), rel)
+    path = outputs[0].location.child(rel)
+    table = pq.read_table(path)
+    metadata = dict(table.schema.metadata)
+    metadata[SETTINGS_KEY] = json.dumps({**json.loads(metadata[SETTINGS_KEY]), "quality": 10}).encode()
+    pq.write_table(table.replace_schema_metadata(metadata), path, write_page_checksum=True, row_group_size=4)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
+    assert [(o.status, o.reason) for o in again.outputs] == [("built", SETTINGS), ("skipped", None)]
+    assert json.loads(pq.read_schema(path).metadata[SETTINGS_KEY])["quality"] == 95
+
+
+def test_skip_existing_rebuilds_after_a_same_size_rewrite_of_main_with_its_mtime_restored(sample_main, tmp_path):
+    """Reported: invisible to --skip-existing (same size, same footer, mtime set back)."""
+    from fixed_res_sidecar.shards.settings import SOURCES
+    from fixed_res_sidecar_tests.fixtures.datasets import damage_value
+
+    outputs = resized_outputs(tmp_path / "out")
+    rel = SHARDS[0]
+    build_resized_shard(layout_of(sample_main, outputs), rel)
+    path = sample_main.child(rel)
+    before = os.stat(path)
+    images = pq.read_table(path, columns=["image"]).column("image").to_pylist()
+    damage_value(path, max((i for i in images if i), key=len))  # one image's bytes changed in place
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = build_resized_shard(layout_of(sample_main, outputs), rel, targets=ResizeTargets(skip_existing=True))
+    assert [(o.status, o.reason) for o in again.outputs] == [("built", SOURCES), ("built", SOURCES)]
+
+
 @pytest.mark.parametrize("target", ["", "inside", ".."])
 def test_output_overlapping_main_is_refused_and_changes_nothing(sample_main, target):
     root = os.path.normpath(os.path.join(sample_main.path, target)) if target else sample_main.path

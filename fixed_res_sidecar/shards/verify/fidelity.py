@@ -1,9 +1,10 @@
 """The fidelity check of a resized shard: do its sampled outputs show the right picture?
 
 For each sampled valid row: the row's source image is read from main, the expected output is
-derived with the pipeline and the settings recorded in the shard's footer (core/fidelity.py),
-and the stored output is scored against it. Per shard: the minimum and median score, the
-failing rows by key with their scores, and counts per score bin (for the dataset audit).
+derived with the pipeline and the expected settings (the dataset's, or the command's flags; never
+the shard's footer, which may lie: core/fidelity.py), and the stored output is scored against it.
+Per shard: the minimum and median score, the failing rows by key with their scores, and counts per
+score bin (for the dataset audit).
 For failing rows, `write_fidelity_pictures` draws expected | stored | difference.
 """
 
@@ -29,10 +30,9 @@ from fixed_res_sidecar.core.overlay import comparison_picture
 from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
 from fixed_res_sidecar.io.locations import Location
-from fixed_res_sidecar.io.parquet import ShardError, describe, open_shard
+from fixed_res_sidecar.io.parquet import describe, open_shard
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.resize import DEFAULT_TASK_MEMORY_GB, decode_budget_bytes
-from fixed_res_sidecar.shards.settings import read_settings
 from fixed_res_sidecar.shards.verify.report import (
     MAX_PROBLEMS,
     CheckResult,
@@ -67,16 +67,15 @@ class SharedRenders:
 @dataclass(frozen=True)
 class StoredSample:
     """What a fidelity check reads from the resized shard: the sampled rows' stored images (row ->
-    encoded bytes), every row's key, and the build settings its footer records."""
+    encoded bytes) and every row's key."""
 
     images: Mapping[int, bytes]
     keys: list
-    settings: Any
 
 
 @dataclass(frozen=True)
 class Scoring:
-    """How a fidelity check scores each row: the rendering its shard's footer records, the score a row
+    """How a fidelity check scores each row: the rendering expected of its shard, the score a row
     fails below, and the decode memory budget the expected images are rendered within (None: no limit)."""
 
     rendering: Rendering
@@ -98,15 +97,14 @@ def check_fidelity(
     rel: str,
     output: ResizedOutput,
     stored: StoredSample,
+    pixels: PixelOptions,
     min_score: float,
     shared: SharedRenders | None = None,
 ) -> CheckResult:
-    """Score every sampled output (`stored.images`) against the picture it should show.
-    `shared`: what the shard's other resolution's check read and rendered (reused, added to)."""
+    """Score every sampled output (`stored.images`) against the picture it should show when built with
+    `pixels`. `shared`: what the shard's other resolution's check read and rendered (reused, added to)."""
     uri = output.location.child(rel)
-    rendering, problem = recorded_rendering(stored.settings, output)
-    if rendering is None:
-        return CheckResult(FIDELITY, False, f"{uri}: {problem}: the expected images cannot be derived")
+    rendering = expected_rendering(pixels, output)
     rows = sorted(stored.images)
     keep = shared is not None and len(rows) <= SHARED_ROWS
     if shared is None or not keep:  # nothing kept: the renders of every row of a large sample would not fit
@@ -123,20 +121,10 @@ def check_fidelity(
     return fidelity_result(uri, scored, min_score)
 
 
-def recorded_rendering(settings: Any, output: ResizedOutput) -> tuple[Rendering | None, str | None]:
-    """(the rendering the shard's footer records, None), or (None, why there is none). Its outputs are
-    taken to be built as a fused build makes them (FUSED_AREAS): the footer does not say, and
-    `score_output` tries the one-area path too."""
-    if not isinstance(settings, dict):
-        return None, "it records no build settings"
-    try:
-        options = PixelOptions.from_values(settings)
-    except (TypeError, ValueError) as exc:
-        return None, f"its recorded build settings are not usable ({describe(exc)})"
-    area = settings.get("target_area", output.area)
-    if area != output.area:
-        return None, f"it records target area {area}, its dataset's is {output.area}"
-    return Rendering(area, options, FUSED_AREAS), None
+def expected_rendering(pixels: PixelOptions, output: ResizedOutput) -> Rendering:
+    """How an output of `output` built with `pixels` is rendered. Taken to be built as a fused build makes
+    them (FUSED_AREAS): nothing says, and `score_output` tries the one-area path too."""
+    return Rendering(output.area, pixels, FUSED_AREAS)
 
 
 def main_images(layout: DatasetLayout, rel: str, rows: list[int]) -> dict[int, bytes | None]:
@@ -207,10 +195,10 @@ def _dB(score: float | None) -> str:
 
 
 def write_fidelity_pictures(
-    layout: DatasetLayout, rel: str, resolution: str, check: CheckResult, directory: Location
+    layout: DatasetLayout, rel: str, resolution: str, check: CheckResult, pixels: PixelOptions, directory: Location
 ) -> list[str]:
-    """For each failing row of a fidelity `check` (the first MAX_PROBLEMS): expected | stored
-    | difference, as PNG under `directory/<rel without .parquet>/<resolution>/<row>-<key>.png`;
+    """For each failing row of a fidelity `check` (the first MAX_PROBLEMS), its expected image (with `pixels`)
+    | stored | difference, as PNG under `directory/<rel without .parquet>/<resolution>/<row>-<key>.png`;
     returns their URIs. Rows whose images cannot be made get no picture."""
     min_score = check.metadata.get("min_score_allowed", FIDELITY_MIN_SCORE)
     failing = check.metadata.get("failing", [])[:MAX_PROBLEMS]
@@ -219,12 +207,8 @@ def write_fidelity_pictures(
     output = layout.resized[resolution]
     rows = [f["row"] for f in failing]
     with open_shard(output.location, rel, "output") as parquet_file:
-        settings = read_settings(parquet_file)
         stored = read_rows(parquet_file, rows, [layout.image_column])
-    rendering, problem = recorded_rendering(settings, output)
-    if rendering is None:
-        raise ShardError(f"{output.location.child(rel)}: {problem}")
-    scoring = Scoring(rendering, min_score)
+    scoring = Scoring(expected_rendering(pixels, output), min_score)
     sources = main_images(layout, rel, rows)
     written = []
     for entry in failing:

@@ -99,16 +99,76 @@ def write_report(location: Location, rel: str, report: ShardReport, protect: Seq
     return target
 
 
-def failed_outputs(document: Mapping[str, Any]) -> dict[str, str | None]:
+class ReportError(ValueError):
+    """A verifier report that cannot be used: the message names the report and what is wrong in it."""
+
+
+REPORT_KINDS = ("resized", "crop_bbox")
+
+
+def load_report(data: bytes, source: str) -> Any:
+    """A verifier report's JSON; ReportError naming `source` when it is not JSON, or nested too deeply to be
+    a report (Python's parser would raise RecursionError)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ReportError(f"{source}: not a verifier report (its JSON is nested too deeply)") from None
+    except ValueError as exc:
+        raise ReportError(f"{source}: not a readable verifier report (not JSON: {describe(exc)})") from None
+
+
+def failed_outputs(document: Any, source: str = "the report") -> dict[str, str | None]:
     """Shard URI -> the output fingerprint recorded when it was verified, for every resized shard that
-    failed in a verifier report: one shard's report, or a `verify-resized --report` document."""
-    shards = document.get("shards")
-    reports = shards if isinstance(shards, list) else [document]
-    return {
-        report["shard"]: (report.get("stats") or {}).get("output_fingerprint")
-        for report in reports
-        if isinstance(report, dict) and report.get("kind") == "resized" and report.get("passed") is False
-    }
+    failed in a verifier report: one shard's report, or a `verify-resized --report` document. A document
+    of another shape raises ReportError naming `source`, the entry and the field at fault."""
+    if not isinstance(document, dict):
+        raise ReportError(f"{source}: not a verifier report (a JSON object), got {_json_type(document)}")
+    if "shards" in document:
+        reports, where = document["shards"], "shards[{}]"
+        if not isinstance(reports, list):
+            raise ReportError(f"{source}: 'shards' must be a list of shard reports, got {_json_type(reports)}")
+    elif "kind" in document:
+        reports, where = [document], "the shard report"
+    else:
+        raise ReportError(
+            f"{source}: not a verifier report: it has neither 'shards' (a verify-resized --report document) nor "
+            "'kind' (one shard's report)"
+        )
+    failed = {}
+    for index, report in enumerate(reports):
+        entry = f"{source}: {where.format(index)}"
+        if not isinstance(report, dict):
+            raise ReportError(f"{entry} must be a shard report (a JSON object), got {_json_type(report)}")
+        kind, passed, shard, stats = (report.get(name) for name in ("kind", "passed", "shard", "stats"))
+        if kind not in REPORT_KINDS:
+            raise ReportError(f"{entry}: 'kind' must be one of {list(REPORT_KINDS)}, got {_shown(kind)}")
+        if not isinstance(passed, bool):
+            raise ReportError(f"{entry}: 'passed' must be true or false, got {_shown(passed)}")
+        if not isinstance(shard, str) or not shard:
+            raise ReportError(f"{entry}: 'shard' must be the checked shard's URI (text), got {_shown(shard)}")
+        if stats is None:
+            stats = {}
+        if not isinstance(stats, dict):
+            raise ReportError(f"{entry}: 'stats' must be an object, got {_json_type(stats)}")
+        fingerprint = stats.get("output_fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise ReportError(f"{entry}: 'stats.output_fingerprint' must be text or null, got {_shown(fingerprint)}")
+        if kind == "resized" and not passed:
+            failed[shard] = fingerprint
+    return failed
+
+
+def _json_type(value: Any) -> str:
+    kinds = {dict: "an object", list: "a list", str: "text", bool: "true or false", type(None): "null"}
+    return next((name for kind, name in kinds.items() if isinstance(value, kind)), "a number")
+
+
+def _shown(value: Any) -> str:
+    """A report's value in a message: short JSON, or its type when it is an object or a list."""
+    if value is None or isinstance(value, (dict, list)):
+        return "nothing" if value is None else _json_type(value)
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def still_failed(layout, rel: str, failed: Mapping[str, str | None]) -> tuple[str, ...]:
@@ -201,15 +261,24 @@ def main_keys(main: Location, rel: str, key_column: str) -> pa.ChunkedArray:
         return read_columns(parquet_file, [key_column], main.child(rel)).column(key_column)
 
 
-def check_row_count(uri: str, rows: int, main_rows: int, what: str, stale: str | None = None) -> CheckResult:
-    """The shard is complete: as many rows as main's, and made from main's current version (`stale`,
-    when given, says how it is not)."""
-    metadata = {"rows": rows, "main_rows": main_rows, "stale": stale is not None}
+def check_row_count(
+    uri: str, rows: int, main_rows: int, what: str, stale: str | None = None, other_settings: str | None = None
+) -> CheckResult:
+    """The shard is complete: as many rows as main's, made from main's current version (`stale`, when
+    given, says how it is not) and, when the caller knows which, with the expected build settings
+    (`other_settings` says how its footer differs)."""
+    metadata: dict[str, Any] = {"rows": rows, "main_rows": main_rows, "stale": stale is not None}
+    if other_settings is not None:
+        metadata["other_settings"] = other_settings
     if rows != main_rows:
         message = f"{what} shard {uri} has {rows} rows, the main shard has {main_rows}"
         return CheckResult(SHARD_COMPLETE, False, message, metadata)
     if stale is not None:
         return CheckResult(SHARD_COMPLETE, False, f"{what} shard {uri} is stale: {stale}", metadata)
+    if other_settings is not None:
+        return CheckResult(
+            SHARD_COMPLETE, False, f"{what} shard {uri} was not built as expected: {other_settings}", metadata
+        )
     return CheckResult(SHARD_COMPLETE, True, f"{uri}: {rows} rows, as in main, made from its current version", metadata)
 
 

@@ -1,14 +1,17 @@
 """SPEC 7 items 1-4 for a resized shard, and the crop sidecar's gate built on them.
 
   shard_complete    the output shard exists; its row count equals the main shard's;
-                    every page of every column reads and matches its checksum
+                    every page of every column reads and matches its checksum; its
+                    footer records main's current version and the expected build
+                    settings (the dataset's, or the command's flags), not its own
   keys_match        the key column equals the main shard's, every row, in order
-  sample_images     a deterministic sample of valid rows decodes, with the audited
-                    size, multiples of p, near-target area and the crop box's aspect
+  sample_images     a deterministic sample of valid rows decodes, in the expected
+                    format, with the audited size, multiples of p, near-target area
+                    and the crop box's aspect
   audit_consistent  valid + invalid == rows; invalid rows have an error code and no
                     image; valid rows have an image; counts per code; examples
   fidelity          the sampled images show the expected picture: each scored against
-                    the pipeline's render of its source with the footer's settings
+                    the pipeline's render of its source with the expected settings
                     (shards/verify/fidelity.py, core/fidelity.py)
 
 Images are read as Arrow arrays: presence is checked with Arrow compute, and only the
@@ -19,7 +22,7 @@ sampled rows' bytes are copied into Python. Storage that keeps failing raises St
 import bisect
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -35,9 +38,17 @@ from fixed_res_sidecar.core.decoding import open_image
 from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE
 from fixed_res_sidecar.core.geometry import geometry, near_target_area
 from fixed_res_sidecar.core.image_cell import has_image, image_bytes_array, is_image_type
+from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, PixelOptions
 from fixed_res_sidecar.io.parquet import ShardError, describe, iter_batches, open_shard, read_columns
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
-from fixed_res_sidecar.shards.settings import read_settings, read_sources, resized_sources, stale_sources
+from fixed_res_sidecar.shards.resize import build_settings
+from fixed_res_sidecar.shards.settings import (
+    read_settings,
+    read_sources,
+    resized_sources,
+    settings_difference,
+    stale_sources,
+)
 from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, StoredSample, check_fidelity
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
@@ -68,10 +79,12 @@ class GateError(RuntimeError):
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """How a resized dataset was built (what its images must satisfy), and how much to decode."""
+    """How a resized dataset was built (what its footers must record and its images satisfy), and how much
+    to decode."""
 
-    patch_size: int = 32
-    square: bool = False
+    # The settings it must have been built with: the dataset's (Dagster) or the command's flags (CLI), never
+    # what a shard's footer says, which a wrong release or a copy from another build may have changed.
+    pixels: PixelOptions = field(default_factory=PixelOptions)
     sample: int | None = 32  # images decoded per shard; None: every row
     fidelity: bool = True  # compare sampled images with the picture their source gives
     # Of the sampled images, how many are compared with their source (None: all of them). Each costs
@@ -79,6 +92,14 @@ class VerifyOptions:
     # 8 keep the verifier near 3% of the build of a 1,000-row shard (measured 2.8%: docs/fidelity.md, "Cost").
     fidelity_sample: int | None = 8
     fidelity_min_score: float = FIDELITY_MIN_SCORE
+
+    @property
+    def patch_size(self) -> int:
+        return self.pixels.patch_size
+
+    @property
+    def square(self) -> bool:
+        return self.pixels.square
 
 
 @dataclass
@@ -89,7 +110,7 @@ class _ResizedShard:
     columns: pa.Table  # key + audit columns that exist
     has_image: list[bool] | None  # per row: a non-empty image cell; None without a usable image column
     sampled: dict[int, bytes]  # row -> encoded image, for the sampled rows
-    settings: Any = None  # the build settings its footer records
+    settings: Any = None  # the build settings its footer records (a problem text when they are not JSON)
     image_problem: str | None = None  # why has_image is None
 
 
@@ -126,9 +147,12 @@ def verify_resized_shard(
     report.rows = shard.rows
     # Which object was verified: a later build that repairs failed shards rebuilds it only if it is still there.
     report.stats["output_fingerprint"] = output.location.fingerprint(rel)
+    expected = build_settings(output, options.pixels, key_column, layout.image_column)
+    other_settings = settings_difference(shard.settings, expected)
     audit = guarded(AUDIT_CONSISTENT, uri, _check_audit, shard, key_column, prefix)
+    complete = (uri, shard.rows, len(expected_keys), "output", shard.stale, other_settings)
     report.checks = [
-        guarded(SHARD_COMPLETE, uri, check_row_count, uri, shard.rows, len(expected_keys), "output", shard.stale),
+        guarded(SHARD_COMPLETE, uri, check_row_count, *complete),
         guarded(KEYS_MATCH, uri, check_keys, uri, expected_keys, shard.columns, key_column),
         guarded(SAMPLE_IMAGES, uri, _check_sample_images, shard, key_column, prefix, output.area, options),
         audit,
@@ -168,8 +192,8 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
         stale = stale_sources(read_sources(parquet_file), resized_sources(layout, rel))
         try:
             settings = read_settings(parquet_file)
-        except ValueError:  # recorded settings that are not JSON: the fidelity check says so
-            settings = None
+        except ValueError:  # recorded settings that are not JSON: shard_complete says so
+            settings = "not JSON"
         # Every column but the images (key and audit columns, anything else too), so with the image
         # pass below every page of the shard is read and checked against its checksum.
         columns = read_columns(parquet_file, [n for n in parquet_file.schema_arrow.names if n != image_column], uri)
@@ -243,9 +267,12 @@ def _sample_problem(data: bytes, audit: dict[str, Any], area: int, options: Veri
     try:
         with open_image(data) as image:
             image.load()
-            size = image.size
+            size, stored_format = image.size, image.format
     except Exception as exc:  # noqa: BLE001 - an image that does not decode fails the sample check
         return f"does not decode: {describe(exc)}"
+    expected_format = OUTPUT_FORMATS[options.pixels.output_format]
+    if stored_format != expected_format:
+        return f"stored as {stored_format}, the expected output format is {expected_format}"
     tw, th = audit["width"], audit["height"]
     if tw is None or th is None:
         return "audit width/height are null on a valid row"
@@ -298,8 +325,8 @@ def _check_fidelity(
     compared = options.fidelity_sample if options.sample is not None else None  # --sample all: every row
     rows = sample_rows(sorted(shard.sampled), compared, rel)  # a subset of the decoded sample, the same every run
     sampled = {row: shard.sampled[row] for row in rows}
-    stored = StoredSample(sampled, keys, shard.settings)
-    return check_fidelity(layout, rel, output, stored, options.fidelity_min_score, shared)
+    stored = StoredSample(sampled, keys)
+    return check_fidelity(layout, rel, output, stored, options.pixels, options.fidelity_min_score, shared)
 
 
 def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckResult:

@@ -13,10 +13,12 @@ from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.parquet import verify_page_checksums
 from fixed_res_sidecar.shards.resize import build_resized_shard
+from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 from fixed_res_sidecar.shards.verify import (
     FIDELITY,
     RESIZED_CHECKS,
     SAMPLE_IMAGES,
+    SHARD_COMPLETE,
     SharedRenders,
     VerifyOptions,
     verify_resized_shard,
@@ -97,7 +99,7 @@ def test_the_three_rows_of_the_reported_deploy_fail_and_the_rest_of_the_shard_pa
 def test_outputs_of_other_encoder_settings_pass(sidecar_build, options):
     rebuild(sidecar_build, options)
     for resolution in ("512", "1024"):
-        report = sidecar_build.verify(resolution)
+        report = sidecar_build.verify(resolution, pixels=options)
         assert report.passed, [c.message for c in report.failed_checks]
         assert report.check(FIDELITY).metadata["min_score"] >= FIDELITY_MIN_SCORE
 
@@ -138,19 +140,24 @@ def test_both_resolutions_of_a_shard_share_its_sources_and_renders(sidecar_build
     assert not large.sources and not large.renders
 
 
-def test_a_shard_without_recorded_settings_fails_the_check_saying_so(sidecar_build):
+def test_a_shard_without_recorded_settings_fails_saying_so_and_its_pictures_are_still_compared(sidecar_build):
     path = sidecar_build.r512.child(REL)
     table = pq.read_table(path)
-    pq.write_table(table.replace_schema_metadata({}), path, write_page_checksum=True)
+    sources_only = {k: v for k, v in table.schema.metadata.items() if k != SETTINGS_KEY}
+    pq.write_table(table.replace_schema_metadata(sources_only), path, write_page_checksum=True)
     report = sidecar_build.verify("512")
-    assert_failed(report, FIDELITY, sidecar_build.r512, containing="records no build settings")
+    assert_failed(report, SHARD_COMPLETE, sidecar_build.r512, containing="it records no build settings")
+    assert report.failed_checks == [report.check(SHARD_COMPLETE)]  # the pictures are compared with the expected ones
+    assert report.check(FIDELITY).metadata["checked"] == 8
 
 
 def test_pictures_show_expected_stored_and_difference_of_each_failing_row(sidecar_build, tmp_path):
     damages = damaged_build(sidecar_build, "512", ["rotated_180", "black"])
     report = sidecar_build.verify("512")
     pictures = Location.parse(tmp_path / "pictures")
-    written = write_fidelity_pictures(sidecar_build.layout(), REL, "512", report.check(FIDELITY), pictures)
+    written = write_fidelity_pictures(
+        sidecar_build.layout(), REL, "512", report.check(FIDELITY), PixelOptions(), pictures
+    )
     keys = column(sidecar_build.r512, REL, "image_key")
     assert len(written) == len(damages)
     for uri, row in zip(written, sorted(damages)):

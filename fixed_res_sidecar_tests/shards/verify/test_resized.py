@@ -1,6 +1,7 @@
 """shards/verify/resized.py: SPEC 7 items 1-4 catch each kind of damage, naming the shard; the gate."""
 
 import io
+import json
 import math
 import random
 from pathlib import Path
@@ -17,13 +18,15 @@ from fixed_res_sidecar.core.resolutions import area_for_audit_prefix
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.io.s3 import S3_MAX_ATTEMPTS, s3_client
-from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.sample_data import make_photo, write_sample_dataset
 from fixed_res_sidecar.shards.layout import DatasetLayout, ResizedOutput
 from fixed_res_sidecar.shards.listing import dataset_summary
 from fixed_res_sidecar.shards.resize import ResizeTargets, build_resized_shard
+from fixed_res_sidecar.shards.settings import SETTINGS_KEY
 from fixed_res_sidecar.shards.verify import (
     AUDIT_CONSISTENT,
     CROP_BBOX_CHECKS,
+    FIDELITY,
     KEYS_MATCH,
     RESIZED_CHECKS,
     SAMPLE_IMAGES,
@@ -74,6 +77,115 @@ def test_undamaged_build_passes_every_check(sidecar_build):
         assert [c.name for c in crop.checks] == list(CROP_BBOX_CHECKS)
         assert crop.passed, [c.message for c in crop.failed_checks]
         assert crop.stats["caption_status"]["ok"] >= 1 and crop.stats["boxes"]["512"]["total"] > 0
+
+
+def reencoded(fmt: str, quality: int, background: tuple | None = None):
+    """bytes -> the same picture encoded again in `fmt` at `quality` (on `background`, alpha dropped)."""
+
+    def encode(data: bytes) -> bytes:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            picture = image.copy()
+        if background is not None or fmt == "JPEG":
+            flat = Image.new("RGB", picture.size, background or (255, 255, 255))
+            flat.paste(picture, mask=picture.getchannel("A") if picture.mode == "RGBA" else None)
+            picture = flat
+        out = io.BytesIO()
+        picture.save(out, fmt, quality=quality)
+        return out.getvalue()
+
+    return encode
+
+
+def forge_shard(location: Location, rel: str, change_image=None, rows=None, **recorded) -> None:
+    """Rewrite resized shard `rel` as a wrong release or a careless copy would: the images of `rows` (default:
+    every valid one) through `change_image`, the footer's build settings changed by `recorded`; the sources it
+    records kept, every page checksum valid."""
+    path = location.child(rel)
+    parquet_file = pq.ParquetFile(path)
+    metadata = dict(parquet_file.schema_arrow.metadata)
+    settings = json.loads(metadata[SETTINGS_KEY])
+    settings.update(recorded)
+    metadata[SETTINGS_KEY] = json.dumps(settings, sort_keys=True).encode()
+    table = parquet_file.read()
+    if change_image is not None:
+        images = table.column("image").to_pylist()
+        for row, data in enumerate(images):
+            if data and (rows is None or row in rows):
+                images[row] = change_image(data)
+        table = replace_column(table, "image", images)
+    pq.write_table(table.replace_schema_metadata(metadata), path, write_page_checksum=True, row_group_size=4)
+
+
+@pytest.mark.parametrize(
+    ("change_image", "recorded", "failing", "words"),
+    [
+        (reencoded("WEBP", 10), {"quality": 10}, {SHARD_COMPLETE, FIDELITY}, "quality 10 (expected 95)"),
+        (None, {"quality": 10}, {SHARD_COMPLETE}, "quality 10 (expected 95)"),
+        (
+            reencoded("JPEG", 95),
+            {"output_format": "jpeg"},
+            {SHARD_COMPLETE, SAMPLE_IMAGES},
+            'output_format "jpeg" (expected "webp")',
+        ),
+        (None, {"webp_method": 6, "patch_size": 16}, {SHARD_COMPLETE}, "patch_size 16 (expected 32)"),
+    ],
+    ids=["reencoded_q10_footer_q10", "footer_q10", "jpeg_rows_footer_jpeg", "footer_method_and_patch"],
+)
+def test_a_footer_that_lies_fails_against_the_expected_settings(sidecar_build, change_image, recorded, failing, words):
+    """Reported: the verifier rendered the expected images with the settings the shard's footer records, so
+    outputs re-encoded at quality 10 passed once the footer said quality 10, and JPEG rows once it said jpeg."""
+    forge_shard(sidecar_build.r512, REL, change_image, **recorded)
+    report = sidecar_build.verify("512", sample=None)
+    assert {c.name for c in report.failed_checks} == failing, [c.message for c in report.failed_checks]
+    message = assert_failed(report, SHARD_COMPLETE, sidecar_build.r512, containing="was not built as expected")
+    assert words in message and report.check(SHARD_COMPLETE).metadata["other_settings"] in message
+    if FIDELITY in failing:  # compared with what quality 95 makes
+        assert report.check(FIDELITY).metadata["failing_rows"] == report.valid
+    if SAMPLE_IMAGES in failing:
+        assert "stored as JPEG, the expected output format is WEBP" in report.check(SAMPLE_IMAGES).message
+    # Verified as built with what the footer says, the forged shard passes only when its pictures match it.
+    lied = sidecar_build.verify("512", sample=None, pixels=PixelOptions.from_values(recorded))
+    assert lied.check(SHARD_COMPLETE).passed
+    assert sidecar_build.verify("1024").passed  # the other resolution is untouched
+
+
+def test_alpha_dropped_fails_although_the_footer_says_composited_on_white(tmp_path):
+    """Reported: alpha dropped (-43 dB) passed once the footer said background white."""
+    main = Location.parse(tmp_path / "main")
+    cut_outs = []
+    for seed in range(3):
+        picture = Image.open(io.BytesIO(make_photo(640, 480, seed)[0])).convert("RGBA")
+        picture.putalpha(Image.radial_gradient("L").resize((640, 480)).point(lambda v: 255 if v < 128 else 0))
+        out = io.BytesIO()
+        picture.save(out, "PNG")
+        cut_outs.append(out.getvalue())
+    Path(main.path).mkdir(parents=True)
+    pq.write_table(pa.table({"image_key": ["a", "b", "c"], "image": cut_outs}), main.child("s.parquet"))
+    output = ResizedOutput(Location.parse(tmp_path / "512"), 262144, "0_26mp_process")
+    layout = DatasetLayout(main, {"512": output})
+    build_resized_shard(layout, "s.parquet")
+    options = VerifyOptions(sample=None, fidelity_sample=None)
+    assert verify_resized_shard(layout, "s.parquet", "512", options).passed
+    forge_shard(
+        output.location, "s.parquet", reencoded("WEBP", 95, background=(255, 255, 255)), background=[255, 255, 255]
+    )
+    report = verify_resized_shard(layout, "s.parquet", "512", options)
+    assert {c.name for c in report.failed_checks} == {SHARD_COMPLETE, FIDELITY}
+    assert "background [255, 255, 255] (expected null)" in report.check(SHARD_COMPLETE).message
+    assert report.check(FIDELITY).metadata["failing_rows"] == 3 and report.check(FIDELITY).metadata["min_score"] < -20
+
+
+def test_a_row_stored_in_another_format_fails_naming_it(sidecar_build):
+    """Reported: one row of a WebP shard re-encoded as JPEG q95 (footer untouched) passed with every row
+    sampled and compared (score -0.19)."""
+    row = first_row(sidecar_build.r512, REL, "0_26mp_process_valid", True)
+    forge_shard(sidecar_build.r512, REL, reencoded("JPEG", 95), rows={row})
+    report = sidecar_build.verify("512", sample=None, fidelity_sample=None)
+    assert report.failed_checks == [report.check(SAMPLE_IMAGES)]
+    key = column(sidecar_build.r512, REL, "image_key")[row]
+    message = assert_failed(report, SAMPLE_IMAGES, sidecar_build.r512, containing=f"row {row} ({key!r})")
+    assert "1 of 8 sampled images failed" in message and "stored as JPEG, the expected output format is WEBP" in message
 
 
 def test_sample_images_respects_the_sample_size(sidecar_build):
@@ -294,7 +406,7 @@ def test_struct_image_layout_and_square_builds(tmp_path):
     build_resized_shard(layout, "s.parquet", options=PixelOptions(square=True))
 
     def verify(square: bool):
-        return verify_resized_shard(layout, "s.parquet", "512", VerifyOptions(square=square))
+        return verify_resized_shard(layout, "s.parquet", "512", VerifyOptions(pixels=PixelOptions(square=square)))
 
     report = verify(square=True)
     assert report.passed, [c.message for c in report.failed_checks]
