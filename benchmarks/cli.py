@@ -115,11 +115,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.metadata_per_tick,
         help="discovery's max new shards per tick (metadata-only dataset)",
     )
-    scale.add_argument(
-        "--full-discovery",
-        action="store_true",
-        help="let the sensor take every shard (default: one tick's worth; the others are registered in bulk)",
-    )
     return parser.parse_args(argv)
 
 
@@ -132,7 +127,6 @@ def scale_options(args: argparse.Namespace) -> ScaleOptions:
         rows=args.shard_rows,
         per_tick=args.shards_per_tick,
         metadata_per_tick=args.metadata_shards_per_tick,
-        full_discovery=args.full_discovery,
     )
 
 
