@@ -115,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.metadata_per_tick,
         help="discovery's max new shards per tick (metadata-only dataset)",
     )
+    scale.add_argument(
+        "--automation-ticks",
+        type=int,
+        default=defaults.automation_ticks,
+        help="automation sensor ticks measured after each discovery",
+    )
     return parser.parse_args(argv)
 
 
@@ -127,6 +133,7 @@ def scale_options(args: argparse.Namespace) -> ScaleOptions:
         rows=args.shard_rows,
         per_tick=args.shards_per_tick,
         metadata_per_tick=args.metadata_shards_per_tick,
+        automation_ticks=args.automation_ticks,
     )
 
 

@@ -83,7 +83,6 @@ OVERHEAD_TARGET_S = 1.0
 DISCOVERY_TARGET_S = {10_000: 60.0, 100_000: 600.0}
 AUTOMATION_TARGET_S = 10.0
 BACKFILL_START_TARGET_S = 60.0
-AUTOMATION_TICKS = 3  # automation ticks measured once discovery is done
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,7 @@ class ScaleOptions:
     # max_new_shards_per_tick, and the shards the sensor takes in the measurement (one tick's worth)
     per_tick: int = 5000
     metadata_per_tick: int = 5000
+    automation_ticks: int = 3  # the automation sensor's ticks measured once discovery is done
     repeats: int = 3
     timeout: float = 1800.0  # bound of every wait
 
@@ -286,7 +286,7 @@ class ScaleBench:
         at most `per_tick` per tick. Measured from the sensor turned on to the end of the last tick that
         found shards (every shard a partition and recorded on main, its runs or backfill requested), with
         the CPU seconds the code server (the sensor's body), the daemon and PostgreSQL spent meanwhile;
-        then two ticks with nothing new (the end of the listing, a full pass), and `AUTOMATION_TICKS` ticks
+        then two ticks with nothing new (the end of the listing, a full pass), and `automation_ticks` ticks
         of the automation sensor at that many partitions. The backfills it requested are cancelled (their
         runs are held, never launched)."""
         keys = DatasetKeys(dataset)
@@ -346,9 +346,10 @@ class ScaleBench:
 
         def enough():
             ticks = [t for t in sensor_ticks(instance, sensor) if t.timestamp > after and finished(t)]
-            return ticks if len(ticks) >= AUTOMATION_TICKS else None
+            return ticks if len(ticks) >= self.options.automation_ticks else None
 
-        ticks = wait_until(enough, self.options.timeout, f"{AUTOMATION_TICKS} ticks of {sensor}", interval=1.0)
+        count = self.options.automation_ticks
+        ticks = wait_until(enough, self.options.timeout, f"{count} ticks of {sensor}", interval=1.0)
         seconds = [t.end_timestamp - t.timestamp for t in ticks]
         return {"ticks": len(ticks), "seconds": seconds, "mean_s": statistics.mean(seconds), "max_s": max(seconds)}
 
