@@ -116,9 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="discovery's max new shards per tick (metadata-only dataset)",
     )
     scale.add_argument(
-        "--full-discovery",
-        action="store_true",
-        help="let the sensor take every shard (default: one tick's worth; the others are registered in bulk)",
+        "--automation-ticks",
+        type=int,
+        default=defaults.automation_ticks,
+        help="automation sensor ticks measured after each discovery",
     )
     return parser.parse_args(argv)
 
@@ -132,7 +133,7 @@ def scale_options(args: argparse.Namespace) -> ScaleOptions:
         rows=args.shard_rows,
         per_tick=args.shards_per_tick,
         metadata_per_tick=args.metadata_shards_per_tick,
-        full_discovery=args.full_discovery,
+        automation_ticks=args.automation_ticks,
     )
 
 

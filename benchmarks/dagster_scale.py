@@ -4,18 +4,21 @@ On a real deployment (the test fixtures' PostgreSQL server and DagsterDeployment
 with the default run launcher, a code server, dagster-daemon and dagster-webserver), with a dataset
 of `partitions` tiny shards and one of `metadata_partitions` for metadata only, it measures:
 
-1. discovery: the discovery sensor turned on, ticks and seconds until every partition exists;
+1. discovery: the discovery sensor turned on with no shard known, ticks and seconds until every shard
+   is a partition and recorded on main, and the CPU seconds the code server, the daemon and PostgreSQL
+   spent on it; the automation sensor's ticks at that many partitions;
 2. definitions load (code server, webserver, in process, `dagster definitions validate`) and the
-   launch of a backfill of every partition (GraphQL round trip, then the daemon's first runs);
+   launch of a backfill of every partition of each dataset (GraphQL round trip, then the daemon's
+   first runs);
 3. per-shard overhead of shard runs for each `shards_per_run` in `batch_sizes` (a backfill of
    `sample_shards` consecutive shards, each size on its own shards) and the daemon's throughput;
 4. the cost of an up-to-date shard (a second backfill of every shard built);
 5. the UI's GraphQL queries at that many partitions (median of `repeats`);
 6. the dataset audit: first evaluation and an incremental one.
 
-The queue is held (max_concurrent_runs 0) during discovery and the launch of the big backfill, so
-the runs they request are only created, never launched; they are deleted before the run
-measurements, which use the deployment's limits (2 runs at once). Every process is stopped at the
+The queue is held (max_concurrent_runs 0) during discovery and the launch of the big backfills, so
+the runs they request are only created, never launched; the backfills are cancelled once measured
+and their runs deleted before the run measurements, which use the deployment's limits (2 runs at once). Every process is stopped at the
 end, and the data, the database and its server are removed.
 """
 
@@ -42,8 +45,8 @@ from benchmarks import dagster_scale_data as data
 from benchmarks import dagster_ui as ui
 from benchmarks.common import log
 from benchmarks.dagster_scale_metrics import (
-    added_partitions,
     backfill_runs,
+    cpu_seconds,
     finished,
     median_of,
     run_timings,
@@ -56,7 +59,7 @@ from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN, load_config
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset, load_audit_state, update_state
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import read_ledger, read_ledgers
-from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     CODE_MODULE,
@@ -66,13 +69,20 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     wait_until,
 )
 from fixed_res_sidecar_tests.fixtures.postgres import PostgresDatabase, start_postgres, stop_postgres
+from fixed_res_sidecar_tests.fixtures.processes import family
 
 BUILT, METADATA = "scale", "meta"  # the two datasets' names
 RUNNING = InstanceSettings(max_runtime_seconds=1800)  # the deployment's limits: 2 runs at once
 HELD = replace(RUNNING, max_concurrent_runs=0)  # queued runs stay queued
 DONE = {BulkActionStatus.COMPLETED_SUCCESS, BulkActionStatus.COMPLETED_FAILED, BulkActionStatus.FAILED}
+ENDED = DONE | {BulkActionStatus.CANCELED}
 UI_TARGET_S = 2.0
 OVERHEAD_TARGET_S = 1.0
+# Issue 23's targets: a first discovery of 10,000 / 100,000 new shards, the automation sensor's tick at
+# 100,000 partitions, the first runs of a backfill of 100,000 partitions.
+DISCOVERY_TARGET_S = {10_000: 60.0, 100_000: 600.0}
+AUTOMATION_TARGET_S = 10.0
+BACKFILL_START_TARGET_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -83,9 +93,9 @@ class ScaleOptions:
     batch_sizes: tuple[int, ...] = (1, 8, 16)
     rows: int = 4  # rows per built shard
     # max_new_shards_per_tick, and the shards the sensor takes in the measurement (one tick's worth)
-    per_tick: int = 1000
-    metadata_per_tick: int = 1000
-    full_discovery: bool = False  # every shard through the sensor (hours at 100,000 shards on 2 cores)
+    per_tick: int = 5000
+    metadata_per_tick: int = 5000
+    automation_ticks: int = 3  # the automation sensor's ticks measured once discovery is done
     repeats: int = 3
     timeout: float = 1800.0  # bound of every wait
 
@@ -182,10 +192,12 @@ class ScaleBench:
     def named(self, name: str) -> dict:
         return {"repositoryName": REPOSITORY, "location": self.deployment.location, "name": name}
 
-    def launch(self, partitions: list[str]) -> dict:
-        """Launch a backfill of the shard job as the UI does; returns its id and the round trip."""
+    def launch(self, partitions: list[str], job: str | None = None) -> dict:
+        """Launch a backfill of a shard job (the built dataset's by default) as the UI does; returns its id and
+        the round trip."""
         started = time.time()
-        seconds, backfill_id = timed(lambda: self.deployment.launch_backfill(self.keys.shard_job, partitions))
+        job = job or self.keys.shard_job
+        seconds, backfill_id = timed(lambda: self.deployment.launch_backfill(job, partitions))
         return {"id": backfill_id, "mutation_s": seconds, "at": started}
 
     def set_sensor(self, name: str, running: bool) -> None:
@@ -224,7 +236,8 @@ class ScaleBench:
                 METADATA: self.discover(METADATA, options.metadata_partitions, options.metadata_per_tick),
             }
         with self.phase("backfill of every partition"):
-            report["backfill_all"] = self.launch_all()
+            report["backfill_all"] = self.launch_all(BUILT, self.shards)
+            report["backfill_all_metadata"] = self.launch_all(METADATA, data.shard_names(options.metadata_partitions))
         with self.phase("first audits"), self.deployment.instance() as instance:
             self.deployment.kill_daemon()  # nothing may launch or create the held runs any more
             report["deleted_held_runs"] = self.delete_unfinished_runs(instance)
@@ -269,53 +282,97 @@ class ScaleBench:
         return {"in_process_s": in_process_s, "validate_cli_s": validate_s}
 
     def discover(self, dataset: str, count: int, per_tick: int) -> dict[str, Any]:
-        """The discovery sensor at scale: all but the last `per_tick` shards are registered in bulk (as the
-        sensor records them), then the sensor is turned on and takes the rest, one tick over a listing of
-        `count` shards (all of them with `full_discovery`); then two ticks with nothing new (the end of the
-        listing, then a full pass)."""
-        sensor = DatasetKeys(dataset).discovery_sensor
-        names = data.shard_names(count)
-        by_sensor = count if self.options.full_discovery else min(count, per_tick)
-        config = load_config(self.deployment.datasets_file).dataset(dataset)
+        """The discovery sensor at scale: turned on with none of the `count` shards known, it takes them all,
+        at most `per_tick` per tick. Measured from the sensor turned on to the end of the last tick that
+        found shards (every shard a partition and recorded on main, its runs or backfill requested), with
+        the CPU seconds the code server (the sensor's body), the daemon and PostgreSQL spent meanwhile;
+        then two ticks with nothing new (the end of the listing, a full pass), and `automation_ticks` ticks
+        of the automation sensor at that many partitions. The backfills it requested are cancelled (their
+        runs are held, never launched)."""
+        keys = DatasetKeys(dataset)
         with self.deployment.instance() as instance:
-            bulk_s, _ = timed(lambda: data.register_in_bulk(instance, config, names[: count - by_sensor]))
+            cpu_before = self.cpu()
             started = time.time()
-            self.set_sensor(sensor, True)
+            self.set_sensor(keys.discovery_sensor, True)
 
             def settled():
-                ticks = [t for t in sensor_ticks(instance, sensor) if finished(t)]
-                work = [t for t in ticks if added_partitions(t)]
-                after = ticks[len(work) :] if work and ticks[: len(work)] == work else []
-                return (work, after) if sum(map(added_partitions, work)) >= by_sensor and len(after) >= 2 else None
+                ticks = [t for t in sensor_ticks(instance, keys.discovery_sensor) if t.timestamp >= started - 1]
+                work = [t for t in ticks if t.run_ids]
+                idle = [
+                    t for t in ticks if finished(t) and not t.run_ids and (not work or t.timestamp > work[-1].timestamp)
+                ]
+                if not work or not all(finished(t) for t in work) or len(idle) < 2:
+                    return None
+                return (work, idle) if len(instance.get_dynamic_partitions(keys.partitions)) == count else None
 
-            work, after = wait_until(settled, self.options.timeout, f"discovery of {count} shards", interval=1.0)
-            self.set_sensor(sensor, False)
-            partitions = len(instance.get_dynamic_partitions(DatasetKeys(dataset).partitions))
-            assert partitions == count, f"{dataset}: {partitions} partitions, expected {count}"
+            work, idle = wait_until(settled, self.options.timeout, f"discovery of {count} shards", interval=1.0)
+            seconds = work[-1].end_timestamp - started
+            cpu = {name: after - cpu_before[name] for name, after in self.cpu().items()}  # till the idle ticks
+            self.set_sensor(keys.discovery_sensor, False)
+            partitions = len(instance.get_dynamic_partitions(keys.partitions))
+            recorded = len(instance.get_materialized_partitions(keys.main))
+            assert partitions == recorded == count, (
+                f"{dataset}: {partitions} partitions, {recorded} on main, expected {count}"
+            )
+            automation = self.automation_ticks(instance, keys, after=work[-1].end_timestamp)
+            cancelled = self.cancel_backfills(instance, dataset)
         summary = tick_summary(work)
-        seconds = work[-1].end_timestamp - started
         return {
             "partitions": partitions,
             "per_tick": per_tick,
-            "by_sensor": by_sensor,
-            "bulk_registered": count - by_sensor,
-            "bulk_s": bulk_s,
             "work_ticks": len(work),
             "sensor_s": seconds,
             "tick_mean_s": summary["mean_s"],
             "tick_max_s": summary["max_s"],
             "tick_seconds": [t.end_timestamp - t.timestamp for t in work],
-            "tick_s_per_1000_shards": 1000 * sum(t.end_timestamp - t.timestamp for t in work) / by_sensor,
-            # All shards through the sensor: as many such ticks, each after the sensor's interval.
-            "estimated_all_by_sensor_s": count / by_sensor * seconds,
-            "idle_tick_s": max(t.end_timestamp - t.timestamp for t in after[:2]),
-            "runs_requested": sum(len(t.run_ids) for t in work),
+            "tick_s_per_1000_shards": 1000 * sum(t.end_timestamp - t.timestamp for t in work) / count,
+            "cpu_s": cpu,
+            "idle_tick_s": max(t.end_timestamp - t.timestamp for t in idle[:2]),
+            "requests": sum(len(t.run_ids) for t in work),
+            "backfills_requested": cancelled,
+            "automation": automation,
         }
 
-    def launch_all(self) -> dict[str, Any]:
-        """A backfill of every partition of the built dataset, as the UI launches it: the round trip, and
-        the time until the daemon created its first runs (held in the queue); then it is cancelled."""
-        launched = self.launch(self.shards)
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far of the code server, the daemon and the PostgreSQL server (each with its
+        children, those that ended too: a backend per connection)."""
+        deployment, server = self.deployment, self.deployment.database.server
+        leaders = {"code_server": deployment.code_server, "daemon": deployment.daemon, "postgres": server.process}
+        return {name: cpu_seconds(p.pid, family(p.pid)) if p is not None else 0.0 for name, p in leaders.items()}
+
+    def automation_ticks(self, instance: dg.DagsterInstance, keys: DatasetKeys, after: float) -> dict[str, Any]:
+        """The automation sensor's ticks that started after `after`, at that many partitions."""
+        sensor = keys.automation_sensor
+
+        def enough():
+            ticks = [t for t in sensor_ticks(instance, sensor) if t.timestamp > after and finished(t)]
+            return ticks if len(ticks) >= self.options.automation_ticks else None
+
+        count = self.options.automation_ticks
+        ticks = wait_until(enough, self.options.timeout, f"{count} ticks of {sensor}", interval=1.0)
+        seconds = [t.end_timestamp - t.timestamp for t in ticks]
+        return {"ticks": len(ticks), "seconds": seconds, "mean_s": statistics.mean(seconds), "max_s": max(seconds)}
+
+    def cancel_backfills(self, instance: dg.DagsterInstance, dataset: str) -> int:
+        """Cancel the dataset's backfills still going (what discovery requested) and wait until they ended."""
+        ids = [
+            b.backfill_id
+            for b in instance.get_backfills()
+            if b.tags.get(DATASET_TAG) == dataset and b.status not in ENDED
+        ]
+        for backfill_id in ids:
+            self.graphql(ui.CANCEL_BACKFILL, backfillId=backfill_id)
+        wait_until(
+            lambda: all(instance.get_backfill(b).status in ENDED for b in ids),
+            self.options.timeout,
+            f"{len(ids)} backfill(s) of {dataset} cancelled",
+        )
+        return len(ids)
+
+    def launch_all(self, dataset: str, partitions: list[str]) -> dict[str, Any]:
+        """A backfill of every partition of `dataset`, as the UI launches it: the round trip, and the time
+        until the daemon created its first runs (held in the queue); then it is cancelled."""
+        launched = self.launch(partitions, DatasetKeys(dataset).shard_job)
         with self.deployment.instance() as instance:
             runs = wait_until(
                 lambda: backfill_runs(instance, launched["id"]), self.options.timeout, "the first backfill runs"
@@ -324,7 +381,7 @@ class ScaleBench:
             cancel_s, _ = timed(lambda: self.graphql(ui.CANCEL_BACKFILL, backfillId=launched["id"]))
             return {
                 "id": launched["id"],
-                "partitions": len(self.shards),
+                "partitions": len(partitions),
                 "mutation_s": launched["mutation_s"],
                 "first_runs_s": first_created - (launched["at"] + launched["mutation_s"]),
                 "runs_seen": len(runs),
@@ -476,6 +533,27 @@ class ScaleBench:
                 row["median_s"] < UI_TARGET_S for row in pages
             ),
             "up-to-date shard < 1 s amortised": report["up_to_date"]["wall_per_shard_s"] < 1.0,
+            **{
+                f"first discovery of {row['partitions']:,} shards < {DISCOVERY_TARGET_S[row['partitions']]:.0f} s": (
+                    row["sensor_s"] < DISCOVERY_TARGET_S[row["partitions"]]
+                )
+                for row in report["discovery"].values()
+                if row["partitions"] in DISCOVERY_TARGET_S
+            },
+            **{
+                f"automation tick < {AUTOMATION_TARGET_S:.0f} s at {row['partitions']:,} partitions": (
+                    row["automation"]["max_s"] < AUTOMATION_TARGET_S
+                )
+                for row in report["discovery"].values()
+                if row["partitions"] >= 100_000
+            },
+            **{
+                f"first runs of a backfill of {row['partitions']:,} < {BACKFILL_START_TARGET_S:.0f} s": (
+                    row["first_runs_s"] < BACKFILL_START_TARGET_S
+                )
+                for row in (report["backfill_all"], report["backfill_all_metadata"])
+                if row["partitions"] >= 100_000
+            },
         }
 
 

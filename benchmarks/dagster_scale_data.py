@@ -15,10 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.names import DatasetKeys
-from fixed_res_sidecar.defs.partitions import chunks
-from fixed_res_sidecar.defs.sensors import Discovery, main_events
+from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN
 from fixed_res_sidecar.sample_data import sample_shard_table
 
 SHARDS_PER_FOLDER = 1000
@@ -80,8 +77,9 @@ def dataset_entries(root: Path, shards_per_run: int, per_tick: int, metadata_per
         {
             "name": "meta",
             "main_prefix": str(root / "main" / "meta"),
-            # Discovery requests runs of every new shard; few large ones here, never launched.
-            "shards_per_run": 1000,
+            # The default batch size: discovery's backfills and the big backfill create runs as users' would
+            # (held in the queue, never launched).
+            "shards_per_run": DEFAULT_SHARDS_PER_RUN,
             "sensor": {
                 "interval_seconds": 5,
                 "default_status": "stopped",
@@ -90,37 +88,3 @@ def dataset_entries(root: Path, shards_per_run: int, per_tick: int, metadata_per
             **common,
         },
     ]
-
-
-def register_in_bulk(instance, dataset: DatasetConfig, rels: list[str], chunk: int = 1000) -> None:
-    """What the discovery sensor records for `rels` (partitions, and main's runless materialization of each
-    shard with the same metadata), written in bulk: the partitions in chunks, the events as batch inserts.
-
-    The sensor's own path (one event write and one partition lookup per shard, in the daemon) is measured
-    on the last shards; this stands in for it on the others, which would take hours at 100,000 shards.
-    """
-    from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
-    from dagster._core.events.log import EventLogEntry
-    from dagster._core.instance.utils import RUNLESS_JOB_NAME, RUNLESS_RUN_ID
-    from dagster._time import get_current_timestamp
-
-    keys = DatasetKeys(dataset.name)
-    for part in chunks(rels, chunk):
-        instance.add_dynamic_partitions(keys.partitions, part)
-        entries = [
-            EventLogEntry(
-                user_message="",
-                level="INFO",
-                job_name=RUNLESS_JOB_NAME,
-                run_id=RUNLESS_RUN_ID,
-                error_info=None,
-                timestamp=get_current_timestamp(),
-                dagster_event=DagsterEvent(
-                    event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value,
-                    event_specific_data=StepMaterializationData(event),
-                    job_name=RUNLESS_JOB_NAME,
-                ),
-            )
-            for event in main_events(keys, dataset.main, Discovery(new=part))
-        ]
-        instance.event_log_storage.store_event_batch(entries)

@@ -136,46 +136,18 @@ def show_automation_on(instance) -> None:
     set_auto_materialize_paused(instance, False)
 
 
-def apply_sensor_result(instance, result) -> list[str]:
-    """Do in-process what the sensor daemon does with a tick's result, except launching runs.
-
-    Records the asset events, adds and retires the partitions; returns the added keys. The demo uses
-    this to register shards without a daemon; runs are then executed by the caller.
-    """
-    import dagster as dg
-
-    for event in result.asset_events or []:
-        instance.report_runless_asset_event(event)
-    added: list[str] = []
-    for request in result.dynamic_partitions_requests or []:
-        if isinstance(request, dg.DeleteDynamicPartitionsRequest):
-            for key in request.partition_keys:
-                instance.delete_dynamic_partition(request.partitions_def_name, key)
-            continue
-        existing = set(instance.get_dynamic_partitions(request.partitions_def_name))
-        new = [key for key in request.partition_keys if key not in existing]
-        if new:
-            instance.add_dynamic_partitions(request.partitions_def_name, new)
-            added.extend(new)
-    return added
-
-
 def register_shards(instance, dataset: DatasetConfig) -> list[str]:
-    """Discovery ticks in process, until the listing is complete; returns the new partitions."""
-    from fixed_res_sidecar.defs.sensors import ShardCursor, discovery_tick, load_seen, save_seen
+    """Discovery ticks in process, until the listing is complete; returns the new partitions. The tick
+    records main's shards and adds their partitions itself; the demo runs the shards itself."""
+    from fixed_res_sidecar.defs.sensors import ShardCursor, discovery_tick
 
     keys = DatasetKeys(dataset.name)
-    added: list[str] = []
+    before = set(instance.get_dynamic_partitions(keys.partitions))
     cursor = None
     while True:
-        known = instance.get_dynamic_partitions(keys.partitions)
-        seen = load_seen(instance, dataset.name)
-        result, seen = discovery_tick(dataset, known, cursor, seen, log=logging.getLogger("sidecar-demo"))
-        save_seen(instance, dataset.name, seen)
-        added += apply_sensor_result(instance, result)
-        cursor = result.cursor
+        cursor = discovery_tick(dataset, instance, cursor, log=logging.getLogger("sidecar-demo")).cursor
         if ShardCursor.parse(cursor).after is None:
-            return added
+            return [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in before]
 
 
 def _check_statuses(instance, defs, dataset: DatasetConfig, rels: list[str]) -> dict[tuple[str, str], str]:

@@ -208,25 +208,32 @@ def test_dagster_scale_reports_every_figure(deployment_slot, tmp_path, capsys):
     """--dagster-scale at a tiny size, for real (PostgreSQL, code server, daemon, webserver): every figure
     is reported, finite and not negative, and nothing is left running. No timing is asserted.
 
-    About 3 minutes: the deployment starts four times (once, then per batch size and for the up-to-date
-    backfill), and the daemon's loops have fixed intervals (sensors at least 5 s, backfills 30 s).
+    About 4 minutes on a quiet machine: the deployment starts four times (once, then per batch size and for
+    the up-to-date backfill), and the daemon's loops have fixed intervals (sensors at least 5 s, automation
+    and backfills 30 s).
     """
     out = tmp_path / "scale.json"
     work = tmp_path / "work"
     options = ["--partitions", "20", "--metadata-partitions", "200", "--sample-shards", "4", "--batch-sizes", "1,2"]
-    options += ["--shards-per-tick", "10", "--metadata-shards-per-tick", "50"]
+    options += ["--shards-per-tick", "10", "--metadata-shards-per-tick", "50", "--automation-ticks", "1"]
     report = cli.main(["--dagster-scale", *options, "--workdir", str(work), "--json", str(out)])["dagster_scale"]
     printed = capsys.readouterr().out
     assert json.loads(out.read_text())["dagster_scale"].keys() == report.keys()
     assert not _processes_mentioning(str(work)), "processes of the deployment left running"
     assert not list(work.iterdir()), "the benchmark's data was not removed"
 
-    for section in ("definitions", "discovery", "backfill_all", "batches", "up_to_date", "graphql", "audit", "probes"):
+    sections = ("definitions", "discovery", "backfill_all", "backfill_all_metadata", "batches", "up_to_date")
+    for section in (*sections, "graphql", "audit", "probes"):
         assert report[section], section
     assert set(report["discovery"]) == {"scale", "meta"}
     assert report["discovery"]["scale"]["partitions"] == 20 and report["discovery"]["meta"]["partitions"] == 200
-    for discovery in report["discovery"].values():
-        assert discovery["by_sensor"] > 0 and discovery["work_ticks"] >= 1 and discovery["tick_s_per_1000_shards"] > 0
+    for discovery in report["discovery"].values():  # every shard by the sensor, in ticks of at most per_tick
+        assert discovery["work_ticks"] >= discovery["partitions"] // discovery["per_tick"] and discovery["sensor_s"] > 0
+        assert discovery["cpu_s"]["code_server"] > 0 and discovery["cpu_s"]["postgres"] > 0
+        assert discovery["automation"]["ticks"] >= 1 and discovery["automation"]["max_s"] > 0
+    # 200 shards at 50 per tick, 8 per run: each tick's 7 runs' worth are one backfill.
+    assert report["discovery"]["meta"]["backfills_requested"] == report["discovery"]["meta"]["work_ticks"]
+    assert report["backfill_all_metadata"]["partitions"] == 200 and report["backfill_all_metadata"]["runs_seen"] > 0
     assert set(report["batches"]) == {"1", "2"}
     for size, batch in report["batches"].items():
         assert batch["shards"] == 4 and batch["runs"] == 4 // int(size) and batch["statuses"] == ["SUCCESS"]

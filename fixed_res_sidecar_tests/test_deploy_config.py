@@ -179,11 +179,20 @@ def test_ray_run_jobs_get_the_dataset_resources(tmp_path, env):
     assert (from_tags.num_cpus, from_tags.memory) == (6.0, 24 * 2**30)
 
 
-def test_the_two_instances_differ_only_in_the_run_launcher():
+def test_the_two_instances_differ_only_in_the_run_launcher_and_the_start_timeout():
+    """The Ray instance starts runs without image pulls or pending pods: its start timeout is shorter (a run
+    whose node died before the run started waits that long for its retry), yet well above a run's start
+    on a loaded node (over 60 s seen on this machine) and below Ray's own limit for a job to start."""
     k8s, ray = (yaml.safe_load((DEPLOY / name).read_text()) for name in (INSTANCES["k8s"], INSTANCES["ray"]))
     assert k8s.pop("run_launcher")["class"] == "K8sRunLauncher"
     assert ray.pop("run_launcher")["class"] == "SidecarRayRunLauncher"
+    k8s_start = k8s["run_monitoring"].pop("start_timeout_seconds")
+    ray_start = ray["run_monitoring"].pop("start_timeout_seconds")
     assert k8s == ray
+    from ray.dashboard.consts import DEFAULT_JOB_START_TIMEOUT_SECONDS
+
+    assert 3 * 60 <= ray_start < k8s_start and ray_start < DEFAULT_JOB_START_TIMEOUT_SECONDS
+    assert ray_start >= 2 * ray["run_monitoring"]["poll_interval_seconds"]
 
 
 def test_workspace_points_at_the_code_server():

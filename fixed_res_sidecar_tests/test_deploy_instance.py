@@ -8,14 +8,18 @@ daemon and the webserver, each in its own session. Every wait is bounded and say
 for; nothing is timed.
 """
 
+import contextlib
 import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -44,6 +48,7 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
 )
 from fixed_res_sidecar_tests.fixtures.docs import documented_command
 from fixed_res_sidecar_tests.fixtures.postgres import restart_postgres, stop_postgres
+from fixed_res_sidecar_tests.fixtures.processes import descendants
 
 RUN_TIMEOUT = 240.0  # generous: a tiny shard's run takes seconds, a queue wait and a process start a few more
 # deploy's run_monitoring keys the test instance sets (deploy keeps max_resume_run_attempts: 0 itself).
@@ -499,3 +504,163 @@ def test_the_documented_dagster_commands_build_their_shards(dagster_deployment, 
         for resolution in RESOLUTION_NAMES:
             built = built_by(instance, keys.resized(resolution), "part-00000.parquet")
             assert built == [materialize_run]
+
+
+LONG_OUTAGE_SECONDS = 150.0  # longer than a run's storage wait (history.STORAGE_RETRY: 120 s)
+START_RUN_DEADLINE = 60.0  # the daemon's gRPC deadline for the code server's StartRun (Dagster's default)
+STALLED_STARTS = 4  # run workers held: more than the two retries a run gets
+
+
+@contextmanager
+def busy_cores(count: int = 2):
+    """`count` processes spinning on a core each (the machine as busy as a loaded node), killed afterwards."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait(timeout=30)
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StalledRunStarts:
+    """Holds the next `count` run workers the code server spawns (SIGSTOP as each appears) for `seconds`
+    each, then lets them go: a run's start then takes longer than the daemon's StartRun deadline, as it
+    does when a loaded machine takes over a minute to start a Python process and load the code location
+    (seen with both cores busy after a long storage outage). Deterministic where a busy loop is not."""
+
+    def __init__(self, deployment, count: int, seconds: float):
+        self.deployment, self.count, self.seconds = deployment, count, seconds
+        self.held: list[tuple[int, float]] = []  # (pid, when held)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+
+    def _run_workers(self) -> set[int]:
+        """The code server's own children that multiprocessing spawned (its shard workers are grandchildren)."""
+        server = self.deployment.code_server.pid
+        return {
+            proc.pid for proc in descendants(server) if parent_of(proc.pid) == server and "spawn_main" in proc.command
+        }
+
+    def _hold(self) -> None:
+        seen = self._run_workers()  # already running: not held
+        while not self.stop.is_set():
+            now = time.monotonic()
+            for pid, since in list(self.held):
+                if since is not None and now - since >= self.seconds:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+                    self.held[self.held.index((pid, since))] = (pid, None)
+            if len(self.held) < self.count:
+                for pid in sorted(self._run_workers() - seen):
+                    seen.add(pid)
+                    if len(self.held) < self.count:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGSTOP)
+                            self.held.append((pid, time.monotonic()))
+            elif all(since is None for _, since in self.held):
+                return
+            time.sleep(0.02)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        for pid, since in self.held:
+            if since is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
+
+def test_a_long_outage_on_a_busy_machine_leaves_no_shard_built_but_unrecorded(private_dagster_deployment, tmp_path):
+    """PostgreSQL stopped for 150 s mid-backfill (longer than a run waits for its storage) with both cores
+    kept busy: the run in its work fails once its wait is over. Then the run workers of its retries (and of
+    any other run) are slow to start, longer than the daemon's StartRun deadline, four times in a row (more
+    than a run's two retries). Every shard still ends recorded (materialised, every check passed,
+    describing the objects in storage): a run that could not start is started again, and a later run finds
+    the outputs the interrupted run had written and records them (not rebuilt)."""
+    deployment, server = private_dagster_deployment, private_dagster_deployment.database.server
+    # The monitoring backstop (a run's longest life) must outlast the outage: a run it cancels is never retried.
+    deployment.write_instance(InstanceSettings(max_runtime_seconds=int(LONG_OUTAGE_SECONDS) * 6))
+    shards = [f"part-{i}.parquet" for i in range(3)]
+    config = datasets_config(deployment, tiny_dataset(tmp_path, "longout", shards))
+    keys = DatasetKeys("longout")
+    dataset = config.dataset("longout")
+    with deployment.instance() as instance:
+        register(instance, config)
+    resized = Path(dataset.output("resized_512").path)
+
+    def built() -> bool:  # a shard's resized output is in place; the run records its shard at its end
+        return any(resized.glob("*.parquet"))
+
+    timeline: list[tuple[float, str]] = []
+    started = time.time()  # wall clock: the runs' records are stamped with it
+    with busy_cores(2):
+        (backfill,) = start_with_backfills(deployment, {keys.shard_job: shards})
+        wait_until(built, RUN_TIMEOUT * 2, "a shard's first output", interval=0.05, detail=deployment.report)
+        timeline.append((time.time() - started, "database stopped"))
+        stop_postgres(server)
+        time.sleep(LONG_OUTAGE_SECONDS)
+        with StalledRunStarts(deployment, STALLED_STARTS, START_RUN_DEADLINE + 15) as stalled:
+            restart_postgres(server)
+            timeline.append((time.time() - started, "database started again"))
+            # What the outage left: outputs written, and not (or not all) recorded.
+            written = {rel: os.stat(resized / rel).st_mtime_ns for rel in shards if (resized / rel).exists()}
+            with deployment.instance() as instance:
+                wait_until(lambda: backfill_status(instance, backfill) in BACKFILL_DONE, RUN_TIMEOUT * 6,
+                           "the backfill to finish", detail=deployment.report)  # fmt: skip
+                runs = deployment.wait_until_idle(instance, RUN_TIMEOUT * 6)
+        timeline.append((time.time() - started, "every run finished"))
+
+    with deployment.instance() as instance:
+        for run in runs:
+            record = instance.get_run_record_by_id(run.run_id)
+            errors = [getattr(e.dagster_event.event_specific_data, "error", None) for e in failures(instance, run)]
+            timeline.append((record.create_timestamp.timestamp() - started,
+                             f"run {run.run_id[:8]} {run.tags.get(PARTITION_NAME_TAG)} created, ended {run.status.value}"
+                             f" parent={run.parent_run_id and run.parent_run_id[:8]}: "
+                             f"{[e.message.strip()[:160] for e in errors if e]}"))  # fmt: skip
+            for entry in instance.all_logs(run.run_id):  # how its launches, starts and end went
+                kind = entry.dagster_event_type
+                if kind and (kind.value.startswith(("PIPELINE_", "RUN_")) or kind == dg.DagsterEventType.ENGINE_EVENT):
+                    what = kind.value if kind != dg.DagsterEventType.ENGINE_EVENT else entry.message[:100]
+                    timeline.append((entry.timestamp - started, f"    {run.run_id[:8]}: {what}"))
+        print("\n" + "\n".join(f"+{at:6.1f} s {what}" for at, what in sorted(timeline)))
+        print(
+            f"run workers held: {len(stalled.held)}; backfill {backfill}: {backfill_status(instance, backfill).value}"
+        )
+        assert len(stalled.held) == STALLED_STARTS, "the run workers to hold never came"
+        # Every shard recorded: its assets materialised, every check of its partition passed...
+        assert_shards_complete(instance, config, {"longout": shards})
+        assert_outputs_whole(dataset, shards)
+        # ...on the outputs now in storage: nothing built after what is on record.
+        everything = Stages(resize=RESOLUTION_NAMES, verify=RESOLUTION_NAMES, crop=True)
+        options = PipelineOptions(pixels=dataset.pixel_options())
+        for rel in shards:
+            outputs = StoredOutputs(dataset.layout, rel, everything, options)
+            decision = read_ledger(instance, keys, rel).decide(everything, True, outputs)
+            assert decision.action is Action.RESTATE, f"{rel}: {decision.reason}"
+        # What the interrupted run had written was found and recorded (as kept: "skipped"), not built again.
+        assert written, "no output was written before the outage"
+        for rel, mtime in written.items():
+            assert os.stat(resized / rel).st_mtime_ns == mtime, f"{rel} was built again"
+            assert built_by(instance, keys.resized("512"), rel) == [], rel
+        # Never built twice: no output was written by two runs (a run started twice, or a run and its retry).
+        for rel in shards:
+            for key in output_asset_keys("longout"):
+                assert len(built_by(instance, key, rel)) <= 1, (key.to_user_string(), rel, built_by(instance, key, rel))
+        # Each shard has a run that ended well (the backfill's, or a retry of it).
+        for rel in shards:
+            statuses = [r.status for r in runs if r.tags.get(PARTITION_NAME_TAG) == rel]
+            assert dg.DagsterRunStatus.SUCCESS in statuses, (rel, statuses)

@@ -38,11 +38,25 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
   (`load_guard.py`): nothing else of Dagster's has run in that process yet.
 - `InstanceRef`: what `DagsterInstance.get_ref()` returns, the picklable way to the instance that a
   run fence's commit check carries to the step's shard worker processes (`fencing.OwnerCheck`).
+- `StepMaterializationData`, `AssetObservationData`, `RUNLESS_RUN_ID`, `RUNLESS_JOB_NAME`
+  (`store_runless_events`): main's shards recorded many per storage write. The public
+  `report_runless_asset_event` (and a SensorResult's `asset_events`, which the daemon applies with
+  it) writes one event per call, several database round trips each (a new connection each on
+  Postgres): 75 s per 1,000 shards. The event log's `store_event_batch` writes a batch in one
+  insert, but takes the `EventLogEntry` that `report_runless_asset_event` builds from these.
+- `AssetGraphSubset` (`backfill_request`): a sensor's RunRequest for a backfill
+  (`RunRequest.for_asset_graph_subset`, which the sensor daemon turns into an asset backfill, as the
+  automation sensor's requests are); the subset type it takes is not exported.
 """
 
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+import dagster as dg
 from dagster._core.definitions.asset_checks.asset_check_evaluation import (
     AssetCheckEvaluationTargetMaterializationData,
 )
+from dagster._core.definitions.assets.graph.asset_graph_subset import AssetGraphSubset
 from dagster._core.definitions.data_version import (
     CODE_VERSION_TAG,
     NULL_EVENT_POINTER,
@@ -50,8 +64,10 @@ from dagster._core.definitions.data_version import (
     get_input_event_pointer_tag,
 )
 from dagster._core.event_api import PartitionKeyFilter
+from dagster._core.events import AssetObservationData, StepMaterializationData
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 from dagster._core.instance.ref import InstanceRef
+from dagster._core.instance.utils import RUNLESS_JOB_NAME, RUNLESS_RUN_ID
 from dagster._core.launcher import LaunchRunContext, ResumeRunContext
 from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 from dagster._core.storage.tags import (
@@ -63,6 +79,8 @@ from dagster._core.storage.tags import (
 )
 from dagster._daemon.asset_daemon import set_auto_materialize_paused
 from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
+
+EVENT_BATCH = 1000  # events per storage write: one insert of a few hundred kilobytes
 
 __all__ = [
     "ASSET_PARTITION_RANGE_END_TAG",
@@ -82,7 +100,63 @@ __all__ = [
     "PartitionKeyFilter",
     "ResumeRunArgs",
     "ResumeRunContext",
+    "backfill_request",
     "get_input_data_version_tag",
     "get_input_event_pointer_tag",
     "set_auto_materialize_paused",
+    "store_runless_events",
 ]
+
+
+def store_runless_events(
+    instance: dg.DagsterInstance, events: Iterable[dg.AssetMaterialization | dg.AssetObservation]
+) -> int:
+    """Store runless asset events as `report_runless_asset_event` does, `EVENT_BATCH` per write: consecutive
+    events of one kind go together (a batch holds one event type), the order is kept. Returns the count."""
+    batch: list[dg.EventLogEntry] = []
+    stored = 0
+
+    def flush() -> None:
+        nonlocal batch, stored
+        if batch:
+            instance.event_log_storage.store_event_batch(batch)
+            stored += len(batch)
+            batch = []
+
+    for event in events:
+        if isinstance(event, dg.AssetMaterialization):
+            kind, data = dg.DagsterEventType.ASSET_MATERIALIZATION, StepMaterializationData(event)
+        else:
+            kind, data = dg.DagsterEventType.ASSET_OBSERVATION, AssetObservationData(event)
+        if batch and (len(batch) >= EVENT_BATCH or batch[-1].dagster_event_type != kind):
+            flush()
+        batch.append(
+            dg.EventLogEntry(
+                user_message="",
+                level="INFO",
+                job_name=RUNLESS_JOB_NAME,
+                run_id=RUNLESS_RUN_ID,
+                error_info=None,
+                timestamp=time.time(),
+                dagster_event=dg.DagsterEvent(
+                    event_type_value=kind.value, event_specific_data=data, job_name=RUNLESS_JOB_NAME
+                ),
+            )
+        )
+    flush()
+    return stored
+
+
+def backfill_request(
+    partitions: dg.PartitionsDefinition,
+    keys_by_asset: Mapping[dg.AssetKey, Sequence[str]],
+    tags: Mapping[str, str],
+) -> dg.RunRequest:
+    """A sensor's request for one asset backfill of these partitions of these assets (the daemon creates
+    the backfill; the backfill daemon its runs, following each asset's BackfillPolicy)."""
+    subset = AssetGraphSubset(
+        partitions_subsets_by_asset_key={
+            key: partitions.subset_with_partition_keys(rels) for key, rels in keys_by_asset.items()
+        }
+    )
+    return dg.RunRequest.for_asset_graph_subset(subset, tags=dict(tags))

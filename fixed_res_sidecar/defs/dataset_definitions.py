@@ -12,7 +12,7 @@ import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
-from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
 from fixed_res_sidecar.defs.resources import default_resources
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
@@ -23,9 +23,7 @@ AUDIT_CRON = "0 * * * *"  # hourly; the audit reads only the events recorded sin
 
 def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:
     """Everything built per shard (main is external and never part of a run)."""
-    return dg.AssetSelection.assets(
-        *(keys.resized(r) for r in RESOLUTION_NAMES), *(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox
-    )
+    return dg.AssetSelection.assets(*keys.shard_assets)
 
 
 def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:

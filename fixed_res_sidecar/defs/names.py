@@ -45,6 +45,15 @@ class DatasetKeys:
     def crop_bbox(self) -> dg.AssetKey:
         return self.asset("crop_bbox")
 
+    @cached_property
+    def shard_assets(self) -> tuple[dg.AssetKey, ...]:
+        """Everything built per shard, in build order (main is external, never part of a run)."""
+        return (
+            *(self.resized(r) for r in RESOLUTION_NAMES),
+            *(self.verify(r) for r in RESOLUTION_NAMES),
+            self.crop_bbox,
+        )
+
     @property
     def group(self) -> str:
         return self.dataset

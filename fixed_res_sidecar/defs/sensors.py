@@ -13,12 +13,22 @@ store: the listing's stamp, size and ETag or size, times and inode, and the pass
 New and changed shards are recorded on `<dataset>/main` as runless materializations (row count,
 bytes, and their source fingerprint as the data version, so the UI shows main's shards as present
 and automation sees them updated), changed ones also as observations (the UI then marks their
-outputs unsynced), and get shard runs of at most `shards_per_run` shards each. Their outputs
+outputs unsynced), and their shards get built: up to `BACKFILL_ABOVE_RUNS` runs of at most
+`shards_per_run` shards each are requested as runs of the shard job, more as one backfill (whose
+runs take `shards_per_run` shards each too, as the assets' BackfillPolicy says). Their outputs
 record the fingerprint they were built from, so a run rebuilds what main changed. At most
 `sensor.max_new_shards_per_tick` new or changed shards are taken per tick; the cursor remembers
 where the listing stopped, the next tick continues there, and a listing that reached the end
 starts over (new shards can appear anywhere in key order, e.g. a new date folder). 100,000
 shards are therefore taken over a few ticks, each bounded in time and in storage writes.
+
+The tick records what it found itself, in batches (`record_discovery`): main's events
+`dagster_private.EVENT_BATCH` per write, partitions `ADD_CHUNK` per write. A SensorResult's
+`asset_events` and `dynamic_partitions_requests` would have the daemon write one event at a time
+and look up each new key before adding it (75 s per 1,000 new shards at 100,000 listed); only the
+run requests go back to the daemon. The daemon keeps a tick's cursor only once it applied the
+tick's requests, so the cursor carries the tick's number and the shards it requested are kept
+until then (`PENDING_KEY`): a tick whose requests were lost requests them again in the next one.
 
 Automation (`<dataset>__automation`, running by default): evaluates the assets'
 automation conditions, so `crop_bbox` of a shard is built once both verifiers' blocking
@@ -35,14 +45,14 @@ import dagster as dg
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
-from fixed_res_sidecar.defs.names import DatasetKeys
-from fixed_res_sidecar.defs.partitions import (
-    add_requests,
-    partition_key_problem,
-    retire_requests,
-    shard_partitions,
+from fixed_res_sidecar.defs.dagster_private import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+    backfill_request,
+    store_runless_events,
 )
+from fixed_res_sidecar.defs.names import DatasetKeys
+from fixed_res_sidecar.defs.partitions import chunks, partition_key_problem, shard_partitions
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -52,6 +62,11 @@ LISTING_PAGE_SIZE = 1000
 REFUSED_LOGGED = 20  # refused shard names written to the tick log, per tick
 AUTOMATION_INTERVAL_SECONDS = 30
 STATE_KEY = "fixed_res_sidecar/discovery/{dataset}"
+PENDING_KEY = "fixed_res_sidecar/discovery/{dataset}/requested"  # {"tick": n, "rels": [...]}
+# A tick that needs more runs than this requests one backfill instead: the daemon creates a run over
+# a range of dynamic partitions in seconds (Dagster resolves the range from every key of the
+# partition set for each asset and check it plans), which hundreds of runs would hold the tick for.
+BACKFILL_ABOVE_RUNS = 4
 
 
 @dataclass
@@ -60,6 +75,7 @@ class ShardCursor:
 
     after: str | None = None
     passes: int = 0  # listings that reached the end
+    tick: int = 0  # the last tick that recorded something (the daemon keeps its cursor once it applied it)
 
     @classmethod
     def parse(cls, text: str | None) -> "ShardCursor":
@@ -67,9 +83,9 @@ class ShardCursor:
             return cls()
         try:
             data = json.loads(text)
-            return cls(after=data.get("after"), passes=int(data.get("passes", 0)))
+            return cls(after=data.get("after"), passes=int(data.get("passes", 0)), tick=int(data.get("tick", 0)))
         except (ValueError, TypeError, AttributeError):
-            return cls()  # an unreadable cursor only costs one full listing
+            return cls()  # an unreadable cursor only costs one full listing (and requests again what is pending)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -107,7 +123,7 @@ def discover_shards(
     key order on S3 and sorted order locally, so "after" is well defined for both.
     """
     cursor = cursor or ShardCursor()
-    found = Discovery(cursor=ShardCursor(after=None, passes=cursor.passes), seen=dict(seen or {}))
+    found = Discovery(cursor=ShardCursor(after=None, passes=cursor.passes, tick=cursor.tick), seen=dict(seen or {}))
     this_pass = cursor.passes
     for page in main.iter_shard_entries(page_size=page_size, start_after=cursor.after):
         for entry in page:
@@ -192,8 +208,9 @@ def main_events(
 
 def shard_run_requests(dataset: DatasetConfig, rels: list[str], order: Sequence[str]) -> list[dg.RunRequest]:
     """Runs that resize, verify and crop `rels`: a run covers one range of consecutive partitions (in
-    `order`, the order they were added), at most `shards_per_run` of them."""
-    job, tags = DatasetKeys(dataset.name).shard_job, dataset_run_tags(dataset)
+    `order`, the order they were added), at most `shards_per_run` of them. More than
+    `BACKFILL_ABOVE_RUNS` such runs: one backfill of `rels` instead."""
+    keys, tags = DatasetKeys(dataset.name), dataset_run_tags(dataset)
     position = {rel: i for i, rel in enumerate(order)}
     ranges: list[list[str]] = []
     for rel in sorted(rels, key=position.__getitem__):
@@ -202,65 +219,93 @@ def shard_run_requests(dataset: DatasetConfig, rels: list[str], order: Sequence[
             batch.append(rel)
         else:
             ranges.append([rel])
+    if len(ranges) > BACKFILL_ABOVE_RUNS:
+        shards = [rel for batch in ranges for rel in batch]
+        return [backfill_request(shard_partitions(keys), dict.fromkeys(keys.shard_assets, shards), tags)]
     requests = []
     for batch in ranges:
         first, last = batch[0], batch[-1]
         if first == last:
-            requests.append(dg.RunRequest(run_key=None, partition_key=first, job_name=job, tags=tags))
+            requests.append(dg.RunRequest(run_key=None, partition_key=first, tags=tags))
         else:
             range_tags = {ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last}
-            requests.append(dg.RunRequest(run_key=None, job_name=job, tags={**tags, **range_tags}))
+            requests.append(dg.RunRequest(run_key=None, tags={**tags, **range_tags}))
     return requests
+
+
+def record_discovery(
+    instance: dg.DagsterInstance,
+    keys: DatasetKeys,
+    found: Discovery,
+    events: Sequence[dg.AssetMaterialization | dg.AssetObservation],
+) -> None:
+    """Write what a tick found, in batches, in an order that a failure at any point leaves right for the
+    next tick: main's events (written again if the tick is redone: the same facts), the removed shards'
+    partitions retired, what was listed kept, then the new partitions added (a new shard whose partition
+    is missing is new again next tick)."""
+    store_runless_events(instance, events)
+    for rel in found.removed:
+        instance.delete_dynamic_partition(keys.partitions, rel)
+    save_seen(instance, keys.dataset, found.seen)
+    for chunk in chunks(found.new):
+        instance.add_dynamic_partitions(keys.partitions, chunk)
 
 
 def discovery_tick(
     dataset: DatasetConfig,
-    known: Sequence[str],
+    instance: dg.DagsterInstance,
     cursor: str | None,
-    seen: Mapping[str, list] | None = None,
     observe_threads: int = 16,
     log=None,
-) -> tuple[dg.SensorResult, dict[str, list]]:
-    """Everything one discovery tick does, as a SensorResult, and what it saw (to keep for the next).
-
-    `known` are the partitions in the order they were added. Used by the sensor and the demo.
-    """
+) -> dg.SensorResult:
+    """One discovery tick: list, record what changed in the instance (`record_discovery`), and return the
+    run requests for the new and changed shards (and for those an earlier tick requested that were never
+    applied) with the cursor. Used by the sensor and the demo."""
     keys = DatasetKeys(dataset.name)
     if problem := dataset.main_problem():  # the tick fails, naming the folder; nothing is recorded as removed
         raise LocationError(problem)
-    known_set = set(known)
+    known = instance.get_dynamic_partitions(keys.partitions)
+    position = ShardCursor.parse(cursor)
     found = discover_shards(
-        dataset.main, known_set, ShardCursor.parse(cursor), dataset.sensor.max_new_shards_per_tick, seen=seen
+        dataset.main,
+        set(known),
+        position,
+        dataset.sensor.max_new_shards_per_tick,
+        seen=load_seen(instance, dataset.name),
     )
     if found.refused and log is not None:
         for problem in list(found.refused.values())[:REFUSED_LOGGED]:
             log.error(problem)
         if len(found.refused) > REFUSED_LOGGED:
             log.error(f"... and {len(found.refused) - REFUSED_LOGGED} more shards refused as partition keys")
-    if not (found.new or found.changed or found.removed):
+    pending = history.load_json(instance, PENDING_KEY.format(dataset=dataset.name)) or {}
+    # The daemon never kept the cursor of the tick that requested these: its requests were not applied.
+    unapplied = pending.get("rels", []) if pending.get("tick", 0) != position.tick else []
+    still_there = set(known) - set(found.removed)
+    requested = list(dict.fromkeys([*found.new, *found.changed, *(r for r in unapplied if r in still_there)]))
+    if not (requested or found.removed):
         where = "end of listing" if found.complete else f"stopped after {found.cursor.after!r}"
         refused = f"; {len(found.refused)} refused (see the tick log)" if found.refused else ""
         reason = (
             f"no new, changed or removed shards under {dataset.main.uri} ({found.examined} listed, {where}){refused}"
         )
-        return dg.SensorResult(skip_reason=reason, cursor=found.cursor.to_json()), found.seen
+        return dg.SensorResult(skip_reason=reason, cursor=found.cursor.to_json())
     if log is not None:
+        again = f", {len(requested) - len(found.new) - len(found.changed)} requested again" if unapplied else ""
         log.info(
             f"{len(found.new)} new, {len(found.changed)} changed, {len(found.removed)} removed shard(s) under "
-            f"{dataset.main.uri}"
+            f"{dataset.main.uri}{again}"
         )
-    # New partitions are added in listing order, after the known ones: that is their order from now on.
-    order = [*known, *found.new]
-    result = dg.SensorResult(
-        run_requests=shard_run_requests(dataset, [*found.new, *found.changed], order),
-        dynamic_partitions_requests=[
-            *add_requests(shard_partitions(keys), found.new),
-            *retire_requests(shard_partitions(keys), found.removed),
-        ],
-        asset_events=main_events(keys, dataset.main, found, observe_threads),
-        cursor=found.cursor.to_json(),
+    found.cursor.tick = max(position.tick, pending.get("tick", 0)) + 1
+    # Kept first: whatever fails from here on, the next tick requests these shards again.
+    history.save_json(
+        instance, PENDING_KEY.format(dataset=dataset.name), {"tick": found.cursor.tick, "rels": requested}
     )
-    return result, found.seen
+    record_discovery(instance, keys, found, main_events(keys, dataset.main, found, observe_threads))
+    # New partitions were added in listing order, after the known ones: that is their order from now on.
+    return dg.SensorResult(
+        run_requests=shard_run_requests(dataset, requested, [*known, *found.new]), cursor=found.cursor.to_json()
+    )
 
 
 def load_seen(instance: dg.DagsterInstance, dataset: str) -> dict[str, list]:
@@ -279,23 +324,19 @@ def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
 
     @dg.sensor(
         name=keys.discovery_sensor,
-        job_name=keys.shard_job,
+        # The shard assets, not the shard job: only a sensor that targets assets may request a backfill.
+        # Its runs are therefore runs of Dagster's implicit asset job, tagged as the shard job's are.
+        asset_selection=dg.AssetSelection.assets(*keys.shard_assets),
         minimum_interval_seconds=dataset.sensor.interval_seconds,
         default_status=status,
         description=(
             f"Lists {dataset.main.uri} every {dataset.sensor.interval_seconds} s: adds new shards as partitions of "
             f"{keys.partitions}, records new, changed and removed shards on {keys.main.to_user_string()}, and "
-            "requests shard runs for the new and changed ones."
+            "requests shard runs (or one backfill, for many) for the new and changed ones."
         ),
     )
     def _discover(context: dg.SensorEvaluationContext, sidecar: SidecarRuntime) -> dg.SensorResult:
-        known = context.instance.get_dynamic_partitions(keys.partitions)
-        seen = load_seen(context.instance, dataset.name)
-        result, seen = discovery_tick(dataset, known, context.cursor, seen, sidecar.observe_threads, context.log)
-        # Kept before the daemon applies the result: a tick that fails to apply is listed again as new
-        # or changed only if its partitions were not added, and runs of the same shard are idempotent.
-        save_seen(context.instance, dataset.name, seen)
-        return result
+        return discovery_tick(dataset, context.instance, context.cursor, sidecar.observe_threads, context.log)
 
     return _discover
 

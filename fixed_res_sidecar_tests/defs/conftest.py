@@ -92,9 +92,16 @@ def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection
 
 
 def run_request(defs: dg.Definitions, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-    """Execute a sensor's run request in process, as the daemon would launch it (its partition or range tags)."""
-    return defs.resolve_job_def(request.job_name).execute_in_process(
+    """Execute a discovery sensor's run request in process, as the daemon would launch it: the implicit asset
+    job of the dataset's shard assets (what the sensor targets), with its partition or range tags."""
+    from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
+
+    shard_assets = list(DatasetKeys(request.tags[DATASET_TAG]).shard_assets)
+    job = defs.get_repository_def().get_implicit_job_def_for_assets(shard_assets)
+    assert job is not None
+    return job.execute_in_process(
         instance=instance,
+        asset_selection=shard_assets,
         partition_key=request.partition_key,
         tags=request.tags,
         run_config=QUIET,

@@ -171,3 +171,71 @@ def test_launch_and_resume_contexts_are_what_a_launcher_is_given(instance):
     resume = private.ResumeRunContext(dagster_run=run, workspace=None, resume_attempt_number=1)
     assert launch.dagster_run.run_id == resume.dagster_run.run_id == run.run_id
     assert launch.workspace is None and resume.resume_attempt_number == 1
+
+
+def _stored(instance, key, kind):
+    fetch = instance.fetch_materializations if kind == "materialization" else instance.fetch_observations
+    return list(reversed(fetch(dg.AssetRecordsFilter(asset_key=key), limit=100).records))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 1000])
+def test_runless_events_stored_in_batches_are_what_report_runless_asset_event_stores(instance, monkeypatch, batch):
+    """The same records, in the same order, as one `report_runless_asset_event` call per event: runless,
+    per partition, with metadata and tags (the data version the UI and automation read); the partitions
+    shown materialised; kinds mixed across batches."""
+    monkeypatch.setattr(private, "EVENT_BATCH", batch)
+    batched, single = dg.AssetKey(["batched"]), dg.AssetKey(["single"])
+
+    def events(key):
+        made = []
+        for i, rel in enumerate(["a", "b", "c"]):
+            tags = {"dagster/data_version": f"v{i}"}
+            made.append(dg.AssetMaterialization(key, partition=rel, metadata={"rows": i}, tags=tags))
+            if rel != "b":
+                made.append(dg.AssetObservation(key, partition=rel, metadata={"rows": i}, tags=tags))
+        return made
+
+    assert private.store_runless_events(instance, events(batched)) == 5
+    for event in events(single):
+        instance.report_runless_asset_event(event)
+    for kind in ("materialization", "observation"):
+        got, want = _stored(instance, batched, kind), _stored(instance, single, kind)
+        assert [(r.run_id, r.partition_key) for r in got] == [(r.run_id, r.partition_key) for r in want]
+        for a, b in zip(got, want):
+            event_a, event_b = (r.event_log_entry.dagster_event.event_specific_data for r in (a, b))
+            assert a.event_log_entry.dagster_event_type == b.event_log_entry.dagster_event_type
+            assert type(event_a) is type(event_b)
+    assert instance.get_materialized_partitions(batched) == {"a", "b", "c"}
+    latest = instance.get_latest_materialization_event(batched)
+    assert latest.asset_materialization.tags["dagster/data_version"] == "v2"
+    observations = _stored(instance, batched, "observation")
+    assert [r.asset_observation.tags["dagster/data_version"] for r in observations] == ["v0", "v2"]
+
+
+def test_a_backfill_request_is_what_the_sensor_daemon_turns_into_an_asset_backfill(instance):
+    """The RunRequest goes to the backfill daemon, survives serialization (the code server sends it to the
+    daemon), and the backfill the daemon makes of it targets those partitions of those assets."""
+    from dagster._core.execution.backfill import PartitionBackfill
+    from dagster._serdes import deserialize_value, serialize_value
+
+    partitions = dg.DynamicPartitionsDefinition(name="shards")
+    instance.add_dynamic_partitions("shards", ["a", "b", "c"])
+    keys = [dg.AssetKey(["x"]), dg.AssetKey(["y"])]
+    request = private.backfill_request(partitions, dict.fromkeys(keys, ("a", "c")), {"team": "data"})
+    assert request.requires_backfill_daemon() and request.tags == {"team": "data"}
+    request = deserialize_value(serialize_value(request), dg.RunRequest)
+    backfill = PartitionBackfill.from_asset_graph_subset(
+        backfill_id="b1",
+        dynamic_partitions_store=instance,
+        backfill_timestamp=0.0,
+        asset_graph_subset=request.asset_graph_subset,
+        tags=request.tags,
+        title=None,
+        description=None,
+        run_config=None,
+    )
+    instance.add_backfill(backfill)
+    stored = instance.get_backfill("b1").asset_backfill_data.target_subset
+    assert {(p.asset_key, p.partition_key) for p in stored.iterate_asset_partitions()} == {
+        (key, rel) for key in keys for rel in ("a", "c")
+    }

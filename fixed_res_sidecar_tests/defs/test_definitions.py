@@ -14,7 +14,6 @@ from fixed_res_sidecar.defs.config import DATASETS_ENV, load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
-from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import LocationError
 from fixed_res_sidecar.sample_data import write_sample_dataset
 from fixed_res_sidecar_tests.defs.conftest import dataset_entry, make_config, run_request, write_tiny
@@ -126,7 +125,7 @@ def test_a_dataset_whose_main_folder_is_missing_fails_alone_and_the_others_run(t
     with dg.instance_for_test() as instance:
         # The other dataset discovers its shard and runs it.
         found = tick("present", instance)
-        assert apply_sensor_result(instance, found) == ["part-0.parquet"]
+        assert instance.get_dynamic_partitions(DatasetKeys("present").partitions) == ["part-0.parquet"]
         (request,) = found.run_requests
         assert run_request(defs, instance, request).success
         # The dataset without its folder fails each tick, naming the folder, and records nothing.
@@ -135,7 +134,8 @@ def test_a_dataset_whose_main_folder_is_missing_fails_alone_and_the_others_run(t
         assert instance.get_dynamic_partitions(DatasetKeys("missing").partitions) == []
         # Once the folder is there, its next tick works, without reloading the code location.
         write_tiny(missing, shards=("part-0.parquet",))
-        assert apply_sensor_result(instance, tick("missing", instance)) == ["part-0.parquet"]
+        tick("missing", instance)
+        assert instance.get_dynamic_partitions(DatasetKeys("missing").partitions) == ["part-0.parquet"]
 
 
 def test_dagster_cli_refuses_bad_config_naming_dataset_and_field(tmp_path):
@@ -185,8 +185,9 @@ def test_two_datasets_stay_separate(tmp_path):
         checks = [k for k in graph.asset_check_keys if k.asset_key.path[0] == keys.dataset]
         assert len(checks) == 5 + 5 + 6 + 2  # verifiers, sidecar, the audit's two
     assert '"num_cpus": 4.0' in defs.resolve_job_def(laion.shard_job).run_tags["dagster-ray/config"]
-    assert defs.resolve_sensor_def(laion.discovery_sensor).job_name == "laion__build_shards"
-    assert defs.resolve_sensor_def(coco.discovery_sensor).job_name == "coco__build_shards"
+    for keys in (laion, coco):  # each discovery sensor targets its own dataset's shard assets
+        selection = defs.resolve_sensor_def(keys.discovery_sensor).asset_selection
+        assert selection.resolve(graph) == set(keys.shard_assets)
     assert defs.resolve_sensor_def(laion.automation_sensor) is not defs.resolve_sensor_def(coco.automation_sensor)
 
     # Partitions of one dataset are not partitions of the other.

@@ -1,5 +1,6 @@
-"""The discovery sensor: new shards become partitions, across ticks, in bounded ticks, with runs;
-changed shards are rebuilt and removed ones reported."""
+"""The discovery sensor: new shards become partitions, across ticks, in bounded ticks, with runs (or one
+backfill for many); changed shards are rebuilt and removed ones reported; requests the daemon never
+applied are made again."""
 
 import json
 import os
@@ -19,6 +20,7 @@ from fixed_res_sidecar.defs.history import REMOVED
 from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.sensors import (
+    BACKFILL_ABOVE_RUNS,
     STATE_KEY,
     ShardCursor,
     automation_sensor,
@@ -28,7 +30,6 @@ from fixed_res_sidecar.defs.sensors import (
     load_seen,
     save_seen,
 )
-from fixed_res_sidecar.demo import apply_sensor_result
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar_tests.defs.conftest import (
@@ -49,18 +50,24 @@ def tick(sensor: dg.SensorDefinition, instance: dg.DagsterInstance, cursor: str 
     return sensor(context)
 
 
-def requested(result: dg.SensorResult) -> list[str]:
-    """The shards a tick's run requests cover, in order: a request is one shard, or a range of new ones."""
-    added = [r for r in result.dynamic_partitions_requests or [] if isinstance(r, dg.AddDynamicPartitionsRequest)]
-    new = [k for r in added for k in r.partition_keys]
+def requested(result: dg.SensorResult, instance: dg.DagsterInstance, dataset: str) -> list[str]:
+    """The shards a tick's run requests cover, in order: a request is one shard, or a range of partitions."""
+    order = instance.get_dynamic_partitions(DatasetKeys(dataset).partitions)
     shards = []
     for request in result.run_requests or []:
+        assert request.asset_graph_subset is None, "a backfill, not runs"
         if request.partition_key is not None:
             shards.append(request.partition_key)
         else:
             first, last = request.tags[ASSET_PARTITION_RANGE_START_TAG], request.tags[ASSET_PARTITION_RANGE_END_TAG]
-            shards += new[new.index(first) : new.index(last) + 1]
+            shards += order[order.index(first) : order.index(last) + 1]
     return shards
+
+
+def main_records(instance: dg.DagsterInstance, dataset: str, kind: str = "materializations") -> list:
+    """What ticks recorded on main, oldest first."""
+    fetch = instance.fetch_materializations if kind == "materializations" else instance.fetch_observations
+    return list(reversed(fetch(dg.AssetRecordsFilter(asset_key=DatasetKeys(dataset).main), limit=10_000).records))
 
 
 def write_stub_shards(location: Location, rels) -> None:
@@ -79,40 +86,41 @@ def test_sensor_adds_only_new_shards_across_ticks_and_requests_runs(tiny_main, t
 
     first = tick(sensor, instance, None)
     expected = sorted(TINY_SHARDS)
-    assert [k for r in first.dynamic_partitions_requests for k in r.partition_keys] == expected
-    assert {r.partitions_def_name for r in first.dynamic_partitions_requests} == {"tiny_shards"}
+    # The tick itself added the partitions (in listing order) and recorded main's shards; the daemon gets
+    # only the run requests.
+    assert instance.get_dynamic_partitions("tiny_shards") == expected
+    assert not first.dynamic_partitions_requests and not first.asset_events
     (batch,) = first.run_requests  # both new shards in one run (shards_per_run is 8)
-    assert batch.job_name == "tiny__build_shards" and batch.partition_key is None
+    assert batch.job_name is None and batch.partition_key is None  # the sensor's target: the shard assets
+    assert sensor.asset_selection.resolve(build_definitions(config).resolve_asset_graph()) == set(keys.shard_assets)
     assert (batch.tags[ASSET_PARTITION_RANGE_START_TAG], batch.tags[ASSET_PARTITION_RANGE_END_TAG]) == tuple(expected)
     tags = batch.tags
     assert tags[DATASET_TAG] == "tiny"
     k8s = json.loads(tags["dagster-k8s/config"])
     assert k8s["container_config"]["resources"]["requests"] == {"cpu": "2", "memory": "3Gi"}
     assert json.loads(tags["dagster-ray/config"]) == {"num_cpus": 2.0, "memory": 3 * 2**30}
-    observations = {e.partition: e for e in first.asset_events}
-    assert set(observations) == set(expected)
-    for rel, observation in observations.items():
-        assert observation.asset_key == keys.main
-        assert observation.metadata["dagster/row_count"].value == TINY_ROWS
-        assert observation.metadata["bytes"].value == tiny_main.size(rel) > 0
-    assert apply_sensor_result(instance, first) == expected  # what the daemon does with the result
-    assert sorted(instance.get_dynamic_partitions("tiny_shards")) == expected
+    # main's shards are recorded as runless materializations, per partition, with the fingerprint as the
+    # data version (what automation and the UI's Unsynced state read).
+    records = {r.partition_key: r for r in main_records(instance, "tiny")}
+    assert set(records) == set(expected)
+    for rel, record in records.items():
+        materialization = record.asset_materialization
+        assert record.run_id == "" and materialization.asset_key == keys.main
+        assert materialization.metadata["dagster/row_count"].value == TINY_ROWS
+        assert materialization.metadata["bytes"].value == tiny_main.size(rel) > 0
+        assert materialization.tags["dagster/data_version"] == materialization.metadata["fingerprint"].value
+    assert instance.get_materialized_partitions(keys.main) == set(expected)  # the UI shows them present
 
     second = tick(sensor, instance, first.cursor)
-    assert not second.run_requests and not second.dynamic_partitions_requests
+    assert not second.run_requests
     assert "no new, changed or removed shards" in str(second.skip_reason)
+    assert len(main_records(instance, "tiny")) == 2
 
     write_tiny(tiny_main, shards=("nested/y/part-c.parquet",))
     third = tick(sensor, instance, second.cursor)
-    assert requested(third) == ["nested/y/part-c.parquet"]
-    assert [k for r in third.dynamic_partitions_requests for k in r.partition_keys] == ["nested/y/part-c.parquet"]
-    apply_sensor_result(instance, third)
-    assert len(instance.get_dynamic_partitions("tiny_shards")) == 3
-    # main's shards are recorded as runless materializations, per partition.
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=keys.main, asset_partitions=["nested/y/part-c.parquet"]), limit=5
-    ).records
-    assert len(records) == 1
+    assert requested(third, instance, "tiny") == ["nested/y/part-c.parquet"]
+    assert instance.get_dynamic_partitions("tiny_shards") == [*expected, "nested/y/part-c.parquet"]
+    assert [r.partition_key for r in main_records(instance, "tiny")][2:] == ["nested/y/part-c.parquet"]
 
 
 def test_ticks_are_bounded_and_the_cursor_continues_the_listing(tmp_path, instance):
@@ -122,18 +130,67 @@ def test_ticks_are_bounded_and_the_cursor_continues_the_listing(tmp_path, instan
         0
     ]
     sensor = discovery_sensor(dataset)
-    cursor, added = None, []
+    cursor = None
     for expected in (["p0.parquet", "p1.parquet"], ["p2.parquet", "p3.parquet"], ["p4.parquet"]):
         result = tick(sensor, instance, cursor)
-        assert requested(result) == expected
-        added += apply_sensor_result(instance, result)
+        assert requested(result, instance, "big") == expected
+        assert instance.get_dynamic_partitions("big_shards")[-len(expected) :] == expected
         cursor = result.cursor
-    assert ShardCursor.parse(cursor) == ShardCursor(after=None, passes=1)
+    assert ShardCursor.parse(cursor) == ShardCursor(after=None, passes=1, tick=3)
     # A shard that appears before the resume point is found by the next full pass.
     write_stub_shards(main, ["a-early.parquet"])
     result = tick(sensor, instance, cursor)
-    assert requested(result) == ["a-early.parquet"]
+    assert requested(result, instance, "big") == ["a-early.parquet"]
     assert ShardCursor.parse(result.cursor).passes == 2
+
+
+def test_a_tick_needing_many_runs_requests_one_backfill_of_them(tmp_path, instance):
+    """Up to BACKFILL_ABOVE_RUNS runs of `shards_per_run` shards are requested as runs; more as one backfill
+    of the shard assets, tagged as the dataset's runs are (the backfill's runs take its tags)."""
+    main = Location.parse(tmp_path / "main")
+    per_run = 2
+    rels = [f"p{i:02d}.parquet" for i in range(per_run * (2 * BACKFILL_ABOVE_RUNS) + 1)]
+    write_stub_shards(main, rels[: per_run * BACKFILL_ABOVE_RUNS])
+    dataset = make_config(dataset_entry("many", main, tmp_path / "out", shards_per_run=per_run)).datasets[0]
+    keys, sensor = DatasetKeys("many"), discovery_sensor(dataset)
+    first = tick(sensor, instance, None)
+    assert len(first.run_requests) == BACKFILL_ABOVE_RUNS
+    assert requested(first, instance, "many") == rels[: per_run * BACKFILL_ABOVE_RUNS]
+
+    write_stub_shards(main, rels[per_run * BACKFILL_ABOVE_RUNS :])
+    recrawl_main_shard(main, rels[0])  # a changed shard goes into the same backfill
+    second = tick(sensor, instance, first.cursor)
+    (backfill,) = second.run_requests
+    assert backfill.requires_backfill_daemon() and backfill.tags[DATASET_TAG] == "many"
+    subset = backfill.asset_graph_subset
+    assert subset.asset_keys == set(keys.shard_assets)
+    wanted = {rels[0], *rels[per_run * BACKFILL_ABOVE_RUNS :]}
+    for key in keys.shard_assets:
+        assert set(subset.get_partitions_subset(key).get_partition_keys()) == wanted, key.to_user_string()
+    assert instance.get_dynamic_partitions(keys.partitions) == rels
+
+
+def test_requests_the_daemon_did_not_apply_are_made_again(tiny_main, tmp_path, instance):
+    """The daemon keeps a tick's cursor only once it applied the tick's run requests. A tick whose cursor
+    was not kept (its result lost) had its shards recorded and added already, so they are no longer new:
+    the next tick requests them again, and once a cursor carrying them was kept, never again."""
+    dataset = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out")).datasets[0]
+    sensor = discovery_sensor(dataset)
+    lost = tick(sensor, instance, None)
+    assert requested(lost, instance, "tiny") == sorted(TINY_SHARDS)
+    again = tick(sensor, instance, None)  # the cursor of `lost` was never kept
+    assert requested(again, instance, "tiny") == sorted(TINY_SHARDS)
+    assert len(main_records(instance, "tiny")) == 2  # recorded once: the shards are not new any more
+    assert ShardCursor.parse(again.cursor).tick == ShardCursor.parse(lost.cursor).tick + 1
+    applied = tick(sensor, instance, again.cursor)
+    assert not applied.run_requests and "no new, changed or removed shards" in str(applied.skip_reason)
+    # A shard removed meanwhile is not requested again.
+    Path(tiny_main.child("part-a.parquet")).unlink()
+    recrawl_main_shard(tiny_main, "nested/x/part-b.parquet")
+    changed = tick(sensor, instance, applied.cursor)
+    assert requested(changed, instance, "tiny") == ["nested/x/part-b.parquet"]
+    removed_since = tick(sensor, instance, applied.cursor)  # lost again: only what is still a partition
+    assert requested(removed_since, instance, "tiny") == ["nested/x/part-b.parquet"]
 
 
 def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
@@ -152,14 +209,17 @@ def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
             self.infos.append(text)
 
     log = Log()
-    result, _ = discovery_tick(dataset, [], None, log=log)
-    assert requested(result) == ["good.parquet"]
+    result = discovery_tick(dataset, instance, None, log=log)
+    assert requested(result, instance, "odd") == ["good.parquet"]
+    assert instance.get_dynamic_partitions("odd_shards") == ["good.parquet"]
     assert len(log.errors) == 2
     assert any("'bad,name.parquet'" in e and "','" in e for e in log.errors)
     assert any("'odd...name.parquet'" in e and "'...'" in e for e in log.errors)
-    # The sensor itself refuses them the same way.
-    result = tick(discovery_sensor(dataset), instance, None)
-    assert [k for r in result.dynamic_partitions_requests for k in r.partition_keys] == ["good.parquet"]
+    # The sensor itself refuses them the same way, on every pass.
+    with dg.instance_for_test() as fresh:
+        result = tick(discovery_sensor(dataset), fresh, None)
+        assert fresh.get_dynamic_partitions("odd_shards") == ["good.parquet"]
+        assert requested(result, fresh, "odd") == ["good.parquet"]
 
 
 def test_discovery_on_s3_pages_through_the_listing(s3_bucket, instance):
@@ -173,18 +233,19 @@ def test_discovery_on_s3_pages_through_the_listing(s3_bucket, instance):
     assert rest.new == rels[3:] and rest.complete
     dataset = make_config(dataset_entry("s3ds", main, f"s3://{s3_bucket}/datasets/out")).datasets[0]
     result = tick(discovery_sensor(dataset), instance, None)
-    assert requested(result) == rels
-    assert {e.metadata["dagster/row_count"].value for e in result.asset_events} == {2}
+    assert requested(result, instance, "s3ds") == rels
+    assert {r.asset_materialization.metadata["dagster/row_count"].value for r in main_records(instance, "s3ds")} == {2}
 
 
-def test_unreadable_shard_is_observed_with_its_error(tmp_path):
+def test_unreadable_shard_is_observed_with_its_error(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     main.write_bytes("broken.parquet", b"not parquet")
     dataset = make_config(dataset_entry("broken", main, tmp_path / "out")).datasets[0]
-    result, _ = discovery_tick(dataset, [], None)
-    (event,) = result.asset_events
-    assert "error" in event.metadata and "dagster/row_count" not in event.metadata
-    assert requested(result) == ["broken.parquet"]  # its run reports the failure
+    result = discovery_tick(dataset, instance, None)
+    (record,) = main_records(instance, "broken")
+    metadata = record.asset_materialization.metadata
+    assert "error" in metadata and "dagster/row_count" not in metadata
+    assert requested(result, instance, "broken") == ["broken.parquet"]  # its run reports the failure
 
 
 def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
@@ -213,7 +274,6 @@ def test_a_main_folder_that_cannot_be_listed_fails_the_tick_and_removes_nothing(
     dataset = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out")).datasets[0]
     sensor = discovery_sensor(dataset)
     first = tick(sensor, instance, None)
-    apply_sensor_result(instance, first)
     seen_before = load_seen(instance, "tiny")
     folder = Path(tiny_main.child("nested"))
 
@@ -221,8 +281,8 @@ def test_a_main_folder_that_cannot_be_listed_fails_the_tick_and_removes_nothing(
         tick(sensor, instance, first.cursor)
     assert f"storage failed listing {folder}" in str(failure.value) and "Permission denied" in str(failure.value)
     assert load_seen(instance, "tiny") == seen_before  # nothing recorded as removed
-    observed = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=DatasetKeys("tiny").main), limit=10)
-    assert not observed.records
+    assert not main_records(instance, "tiny", "observations")
+    assert len(instance.get_dynamic_partitions("tiny_shards")) == 2
 
     # Readable again: the shards were never gone.
     again = tick(sensor, instance, first.cursor)
@@ -251,7 +311,6 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     dataset, keys, defs = config.datasets[0], DatasetKeys("tiny"), build_definitions(config)
     sensor = discovery_sensor(dataset)
     first = tick(sensor, instance, None)
-    apply_sensor_result(instance, first)
     assert all(run_request(defs, instance, request).success for request in first.run_requests)
     changed, other = "part-a.parquet", "nested/x/part-b.parquet"
     outputs = [dataset.output(name) for name in ("resized_512", "resized_1024", "crop_bbox")]
@@ -261,8 +320,11 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
 
     recrawl_main_shard(tiny_main, changed)
     second = tick(sensor, instance, first.cursor)
-    assert requested(second) == [changed] and not second.dynamic_partitions_requests
-    apply_sensor_result(instance, second)
+    assert requested(second, instance, "tiny") == [changed]
+    assert sorted(instance.get_dynamic_partitions(keys.partitions)) == sorted(TINY_SHARDS)  # none added
+    (observed,) = main_records(instance, "tiny", "observations")
+    (rematerialised,) = [r for r in main_records(instance, "tiny")[2:]]
+    assert observed.partition_key == rematerialised.partition_key == changed
     for key in resized:
         assert stale_status(defs, instance, key, changed) == StaleStatus.STALE, key.to_user_string()
         assert stale_status(defs, instance, key, other) == StaleStatus.FRESH, key.to_user_string()
@@ -290,11 +352,8 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     Path(tiny_main.child(other)).unlink()
     third = tick(sensor, instance, second.cursor)
     assert not third.run_requests
-    (removed,) = third.asset_events
+    removed = main_records(instance, "tiny", "observations")[-1].asset_observation
     assert removed.partition == other and removed.metadata[REMOVED].value is True
-    (retire,) = third.dynamic_partitions_requests
-    assert isinstance(retire, dg.DeleteDynamicPartitionsRequest) and list(retire.partition_keys) == [other]
-    apply_sensor_result(instance, third)
     assert instance.get_dynamic_partitions(keys.partitions) == [changed]
     assert all(location.exists(other) for location in outputs)
     audit = defs.resolve_job_def(keys.audit_job).execute_in_process(instance=instance, run_config=QUIET)
@@ -306,9 +365,8 @@ def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cro
     # It comes back: a partition again, built again.
     write_tiny(tiny_main, shards=(other,))
     fourth = tick(sensor, instance, third.cursor)
-    apply_sensor_result(instance, fourth)
     assert set(instance.get_dynamic_partitions(keys.partitions)) == {changed, other}
-    assert requested(fourth) == [other]
+    assert requested(fourth, instance, "tiny") == [other]
 
 
 @pytest.mark.stress
