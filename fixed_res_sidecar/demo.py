@@ -278,12 +278,14 @@ def _collect(
     summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str], totals: dict[str, Any]
 ) -> None:
     """Rows per resolution from the dataset audit's totals; check results per shard from the instance."""
+    from fixed_res_sidecar.defs.dataset_audit import rows_label
+
     for resolution in RESOLUTION_NAMES:
-        errors = {code: totals.get(f"{resolution}_invalid_{code}", 0) for code in ERROR_CODES}
+        errors = {code: totals.get(rows_label(resolution, f"invalid {code}"), 0) for code in ERROR_CODES}
         summary.rows[resolution] = {
             "audit_prefix": dataset.resized(resolution).audit_prefix,
-            "valid": totals.get(f"{resolution}_valid_rows", 0),
-            "invalid": totals.get(f"{resolution}_invalid_rows", 0),
+            "valid": totals.get(rows_label(resolution, "valid"), 0),
+            "invalid": totals.get(rows_label(resolution, "invalid"), 0),
             "errors": {code: n for code, n in errors.items() if n},
         }
     statuses = _check_statuses(instance, defs, dataset, rels)

@@ -36,6 +36,12 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
 - `ExecuteRunArgs`, `ResumeRunArgs`: the serialized arguments of `dagster api execute_run` /
   `resume_run`; a run worker whose code cannot load finds its run id and instance in them
   (`load_guard.py`): nothing else of Dagster's has run in that process yet.
+- `DagsterUserCodeProcessError`, `SerializableErrorInfo` (as `DataFailure`): a step that fails because
+  its data failed (a failed check, a refused crop) shows one message and no stack trace. Dagster
+  records a step's error from the exception it raises, with the traceback; a
+  `DagsterUserCodeProcessError` ("an error in a user code process", which our shard workers are)
+  carries an already serialized error instead, and Dagster records that one as it is, with the
+  stack it has: none. `dg.Failure` has no way to leave its stack out.
 - `InstanceRef`: what `DagsterInstance.get_ref()` returns, the picklable way to the instance that a
   run fence's commit check carries to the step's shard worker processes (`fencing.OwnerCheck`).
 """
@@ -49,6 +55,7 @@ from dagster._core.definitions.data_version import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
+from dagster._core.errors import DagsterUserCodeProcessError
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
 from dagster._core.instance.ref import InstanceRef
@@ -63,6 +70,18 @@ from dagster._core.storage.tags import (
 )
 from dagster._daemon.asset_daemon import set_auto_materialize_paused
 from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
+from dagster_shared.error import SerializableErrorInfo
+
+DATA_FAILURE_CLASS = "DataFailure"
+
+
+class DataFailure(DagsterUserCodeProcessError):
+    """Fails a step with `message` alone: no stack trace, no class path (the data failed, not the code)."""
+
+    def __init__(self, message: str):
+        info = SerializableErrorInfo(message=message, stack=[], cls_name=DATA_FAILURE_CLASS)
+        super().__init__(message, user_code_process_error_infos=[info])
+
 
 __all__ = [
     "ASSET_PARTITION_RANGE_END_TAG",
@@ -76,6 +95,7 @@ __all__ = [
     "AssetCheckExecutionRecordStatus",
     "BulkActionStatus",
     "BulkActionsFilter",
+    "DataFailure",
     "ExecuteRunArgs",
     "InstanceRef",
     "LaunchRunContext",
