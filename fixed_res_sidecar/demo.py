@@ -15,6 +15,7 @@
    valid and invalid rows per error code, check results, and where the overlay pictures are.
 """
 
+import json
 import logging
 import os
 import shutil
@@ -38,6 +39,8 @@ from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
 INSTANCE_YAML = Path(__file__).resolve().parent / "defs" / "dagster.yaml"
 
 DEFAULT_WORKDIR = Path("sidecar-demo")
+# Where each demo was run from and where it went (`sidecar-ops ui` finds it from the same folder).
+DEMOS_FILE = "fixed-res-sidecar/demos.json"
 DATASET_NAME = "sample"
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
@@ -126,6 +129,37 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
         yield home
     finally:
         os.environ.pop("DAGSTER_HOME", None)
+
+
+def _demos_file() -> Path:
+    """The user's record of demos: under $XDG_STATE_HOME (default ~/.local/state)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / DEMOS_FILE
+
+
+def remember_demo(folder: Path, workdir: Path, home: Path) -> None:
+    """Record that a demo run from `folder` went to `workdir` (Dagster home `home`); best effort."""
+    path = _demos_file()
+    try:
+        demos = json.loads(path.read_text()) if path.exists() else {}
+        demos = demos if isinstance(demos, dict) else {}
+        demos[str(folder.resolve())] = {"workdir": str(workdir), "dagster_home": str(home)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(demos, indent=1))
+        temporary.replace(path)
+    except (OSError, ValueError):
+        pass  # a record for convenience only: `sidecar-ops ui --workdir` always works
+
+
+def remembered_demo(folder: Path) -> tuple[Path, Path] | None:
+    """(work dir, Dagster home) of the last demo run from `folder`, if it is still there."""
+    try:
+        entry = json.loads(_demos_file().read_text()).get(str(folder.resolve()))
+        workdir, home = Path(entry["workdir"]), Path(entry["dagster_home"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (workdir, home) if (workdir / "datasets.yaml").is_file() else None
 
 
 def show_automation_on(instance) -> None:
@@ -232,6 +266,7 @@ def run_demo(
     logging.getLogger("dagster").setLevel(logging.WARNING)
 
     with dagster_home(workdir) as home, dg.DagsterInstance.get() as instance:
+        remember_demo(Path.cwd(), workdir, home)
         show_automation_on(instance)
         new = register_shards(instance, dataset)
         rels = sorted(instance.get_dynamic_partitions(keys.partitions))

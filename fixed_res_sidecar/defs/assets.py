@@ -527,13 +527,14 @@ def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> 
 
 
 def _fidelity_picture_metadata(dataset: DatasetConfig, pictures: list[str] | str | None) -> dict[str, dg.MetadataValue]:
-    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays."""
+    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays:
+    every one of them inline (at most the verifier's MAX_PROBLEMS rows; a local path is no use in a browser)."""
     if not pictures:
         return {}
     if isinstance(pictures, str):
         return {"pictures": dg.MetadataValue.text(f"comparison pictures could not be drawn: {pictures}")}
     location = dataset.layout.report_location("fidelity")
-    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, dataset.overlay_embed))}
+    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, len(pictures)))}
 
 
 def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:

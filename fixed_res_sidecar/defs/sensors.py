@@ -249,6 +249,10 @@ def discovery_tick(
             f"{len(found.new)} new, {len(found.changed)} changed, {len(found.removed)} removed shard(s) under "
             f"{dataset.main.uri}"
         )
+        if found.removed:  # named: the operator needs to know which, not how many
+            log.warning(f"removed from {dataset.main.uri} (partitions retired, outputs kept): {_named(found.removed)}")
+        if found.changed:
+            log.info(f"changed (to be rebuilt): {_named(found.changed)}")
     # New partitions are added in listing order, after the known ones: that is their order from now on.
     order = [*known, *found.new]
     result = dg.SensorResult(
@@ -261,6 +265,11 @@ def discovery_tick(
         cursor=found.cursor.to_json(),
     )
     return result, found.seen
+
+
+def _named(rels: list[str]) -> str:
+    shown = ", ".join(rels[:REFUSED_LOGGED])
+    return shown + (f", ... and {len(rels) - REFUSED_LOGGED} more" if len(rels) > REFUSED_LOGGED else "")
 
 
 def load_seen(instance: dg.DagsterInstance, dataset: str) -> dict[str, list]:

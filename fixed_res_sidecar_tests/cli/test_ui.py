@@ -290,3 +290,28 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     text = page.text_when(["dataset_audit\nSucceeded", "dataset_complete\nSucceeded"], timeout=30)
     assert "dataset_audit\nSucceeded" in text and "dataset_complete\nSucceeded" in text, text[-800:]
     page.shot("batch-after-repair")
+
+
+def test_ui_finds_the_demo_run_from_this_folder_into_another_workdir(tmp_path, monkeypatch):
+    """The README: `sidecar-ops demo --workdir D`, then `sidecar-ops ui` from the same folder browses D."""
+    import argparse
+
+    from fixed_res_sidecar.cli import ui as ui_command
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    workdir = elsewhere / "my-demo"
+    workdir.mkdir(parents=True)
+    here.mkdir()
+    (workdir / "datasets.yaml").write_text("datasets: []\n")
+    monkeypatch.chdir(here)
+    args = argparse.Namespace(datasets=None, workdir=None, dagster_home=None)
+    with pytest.raises(ValueError, match="no datasets file"):
+        ui_command.where(args)
+
+    demo.remember_demo(here, workdir, workdir / "dagster_home")
+    assert ui_command.where(args) == (workdir / "datasets.yaml", workdir / "dagster_home")
+    monkeypatch.chdir(elsewhere)  # another folder: not that demo
+    with pytest.raises(ValueError, match="no datasets file"):
+        ui_command.where(args)

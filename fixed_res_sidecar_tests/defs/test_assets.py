@@ -576,7 +576,7 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     keys = [f["key"] for f in failing]
     assert keys == [f"{k}" for k in (column(r512, rel, "image_key")[r] for r in rows)]
     assert all(f["score"] < -3 for f in failing)
-    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 1  # overlay_embed: 1
+    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 3  # every failing row's, inline
     assert failed.metadata["pictures"].value.count(".png") >= 3
     statuses = check_partition_status(instance, [dg.AssetCheckKey(KEYS.verify("512"), verify.FIDELITY)], [rel, other])
     assert statuses == {

@@ -77,8 +77,8 @@ class VerifyOptions:
     square: bool = False
     sample: int | None = 32  # images decoded per shard; None: every row
     fidelity: bool = True  # compare sampled images with the picture their source gives
-    # Rows compared with their source per verification, a window of rows not compared before on the same
-    # bytes (shards/verify/coverage.py; None: `sample` rows). Each costs about 2.7x a row of the build (both
+    # Rows compared with their source per verification (at most `sample`), a window of rows not compared
+    # before on the same bytes (shards/verify/coverage.py; None: `sample` rows). Each costs about 2.7x a row of the build (both
     # resolutions verified: the source decoded and rendered twice), so 8 keep the verifier near 3% of the
     # build of a 1,000-row shard (measured 2.8%: docs/fidelity.md, "Cost").
     fidelity_sample: int | None = 8
@@ -184,7 +184,8 @@ class _FidelityWindow:
 
     def plan(self, rel: str, candidates: list[int]) -> tuple[Coverage, list[int]]:
         """(the coverage, the rows to compare) among the comparable rows `candidates`."""
-        size = None if self.options.sample is None else (self.options.fidelity_sample or self.options.sample)
+        sample, window = self.options.sample, self.options.fidelity_sample
+        size = None if sample is None else min(window, sample) if window else sample
         coverage = plan(self.previous, len(candidates), size, self.fingerprint, time.time())
         return coverage, window_rows(row_order(rel, candidates), coverage.size, coverage.window)
 
