@@ -246,8 +246,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         if infra:  # not only the data's: a retry may do better, and the stack trace may tell why
             raise dg.Failure(description=message, metadata={"failed_shards": dg.MetadataValue.json(sorted(problems))})
         retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
-        repair = ui_links.repair(keys, sorted(problems))
-        context.log.error(f"{message}\nRepair: run these shards again ({repair}): their failed outputs are rebuilt.")
+        context.log.warning(f"repair: {ui_links.repair(keys, sorted(problems))} (Materialize all…, then Launch)")
         # The data failed, not the code: one message, no stack trace.
         raise DataFailure(f"{message}. Run them again to repair them: the job rebuilds what failed.")
 

@@ -275,8 +275,10 @@ class DatasetAudit:
 
     @property
     def complete(self) -> bool:
+        """Every shard built, verified and cropped (a failed shard is not), nothing else left, nothing under way."""
         incomplete = any(self.not_verified.get(r) for r in RESOLUTION_NAMES) or self.crop_missing or self.crop_stale
-        return not (incomplete or self.orphans or self.foreign) and self.under_way is None and self.shards > 0
+        left = incomplete or self.failed_shards or self.orphans or self.foreign
+        return not left and self.under_way is None and self.shards > 0
 
     @property
     def passed(self) -> bool:

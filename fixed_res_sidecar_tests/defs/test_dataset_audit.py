@@ -63,8 +63,9 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     assert not run_shard(
         tiny_defs, instance, "tiny__build_shards", BAD, selection=[KEYS.crop_bbox]
     ).success  # refused: fails
-    audit, _, metadata = run_audit(tiny_defs, instance)
+    audit, complete, metadata = run_audit(tiny_defs, instance)
     assert not audit.passed and audit.description.startswith("**tiny FAILED: 1 of 2 shard(s) failed a check")
+    assert complete is not None and not complete.passed  # a failed shard is not a finished one
     page = f"/assets/tiny/verify_512?view=partitions&partition={quote(BAD, safe='')}"
     assert f"- [{BAD}]({page}): verify_512:keys_match" in audit.description
     repair = f"/guess/tiny__build_shards?partition={quote(BAD, safe='')}"
