@@ -11,7 +11,9 @@
 - `<name>__audit_hourly` (a schedule; `audit.cron`, hourly by default) audits whatever happened.
 
 Audit runs jump the run queue (`dagster/priority`), so a backfill that fills every run slot delays
-them by one shard run at most. While the dataset's runs are under way the audit says so, and does
+them by one shard run at most, and they do not carry the dataset's tag, so the dataset's own run
+limit does not hold them back (defs/run_coordinator.py leaves them untagged too); they are small
+(`AUDIT_CPU`, `AUDIT_MEMORY_GB`). While the dataset's runs are under way the audit says so, and does
 not judge completeness (defs/checks.py `audit_check_results`).
 """
 
@@ -23,13 +25,23 @@ import dagster as dg
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.dataset_audit import is_audit_run
 from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import launcher_tags
 
 AFTER_RUNS_INTERVAL_SECONDS = 15
 PRIORITY_TAG = "dagster/priority"  # the queued run coordinator starts higher priorities first
 AUDIT_PRIORITY = "10"
+AUDIT_AFTER_TAG = "fixed_res_sidecar/audit_after"  # the runs (ids' first 8 characters) an audit run follows
 ENDED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING]
 PAGE = 1000  # run records read per tick (the cursor moves on; the next tick reads the rest)
+# What an audit run needs: it reads the event log incrementally and keeps a ledger per shard (a few
+# megabytes of JSON at 100,000 shards).
+AUDIT_CPU, AUDIT_MEMORY_GB = 1, 2
+
+
+def audit_run_tags() -> dict[str, str]:
+    """Tags of every audit run: first in the queue, its pod's (or Ray job's) size; no dataset tag."""
+    return {**launcher_tags(AUDIT_CPU, AUDIT_MEMORY_GB), PRIORITY_TAG: AUDIT_PRIORITY}
 
 
 def audit_schedule(dataset: DatasetConfig, audit_job) -> dg.ScheduleDefinition:
@@ -97,10 +109,7 @@ def after_runs_tick(instance: dg.DagsterInstance, keys: DatasetKeys, cursor: str
             f"{len(ended)} run(s) ended ({runs}); the audit run {waiting[0].run_id[:8]} waiting to start reads them"
         )
         return dg.SensorResult(skip_reason=reason, cursor=_dump(latest))
-    request = dg.RunRequest(
-        run_key=f"after-runs-{latest:.6f}",
-        tags={PRIORITY_TAG: AUDIT_PRIORITY, "fixed_res_sidecar/audit_after": runs[:200]},
-    )
+    request = dg.RunRequest(run_key=f"after-runs-{latest:.6f}", tags={AUDIT_AFTER_TAG: runs[:200]})
     return dg.SensorResult(run_requests=[request], cursor=_dump(latest))
 
 

@@ -12,7 +12,7 @@ multiprocess executor costs seconds per step.
 import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
-from fixed_res_sidecar.defs.audit_triggers import AUDIT_PRIORITY, PRIORITY_TAG, audit_after_runs_sensor, audit_schedule
+from fixed_res_sidecar.defs.audit_triggers import audit_after_runs_sensor, audit_run_tags, audit_schedule
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
 from fixed_res_sidecar.defs.fidelity_sweep import fidelity_sweep_schedule
 from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
@@ -47,7 +47,8 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         keys.audit_job,
         selection=dg.AssetSelection.assets(keys.audit),
         executor_def=dg.in_process_executor,
-        tags={**dataset_run_tags(dataset), PRIORITY_TAG: AUDIT_PRIORITY},
+        # Not the dataset's tag: an audit is not held back by the dataset's run limit (defs/audit_triggers.py).
+        tags=audit_run_tags(),
         description=(
             f"The dataset audit of {dataset.name}: the verdict, failed shards and their repair, totals, fidelity. "
             "It runs after every run of the dataset that ends and on its schedule."
