@@ -406,7 +406,10 @@ def verified_events(
     )
     repair = {"repair": dg.MetadataValue.url(ui_links.repair(keys, [rel]))}
     extra = {name: {**repair, **(extra or {}).get(name, {})} for name in expected}
-    yield from check_evaluations(report, key, expected, rel, None, extra)
+    # Linked to the shard's latest materialization of the asset (the last verification that passed, if any):
+    # Dagster shows a partitioned check's result only when it is about the partition's latest materialization.
+    target = latest_materialization(context.instance, key, rel)
+    yield from check_evaluations(report, key, expected, rel, target, extra)
 
 
 def _crop_built_by(instance, keys: DatasetKeys, rel: str) -> str | None:

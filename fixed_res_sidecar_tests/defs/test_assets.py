@@ -504,6 +504,11 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     assert failure.event_specific_data.error.stack == []
     statuses = check_partition_status(instance, ALL_CHECK_KEYS, shards)
     assert {key for key, status in statuses.items() if status == "FAILED"} == {("tiny/verify_512:keys_match", damaged)}
+    # The UI shows that result Failed only when it is about the partition's latest materialization.
+    (info,) = instance.event_log_storage.get_asset_check_partition_info(
+        [dg.AssetCheckKey(KEYS.verify("512"), "keys_match")], partition_keys=[damaged]
+    )
+    assert info.is_current
     assert {key[1] for key, status in statuses.items() if status != "SUCCEEDED"} == {damaged}
     logs = [record.user_message for record in instance.all_logs(batch.run_id)]
     assert not [line for line in logs if "did not yield or return expected outputs" in line]

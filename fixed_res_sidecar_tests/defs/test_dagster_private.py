@@ -171,3 +171,18 @@ def test_launch_and_resume_contexts_are_what_a_launcher_is_given(instance):
     resume = private.ResumeRunContext(dagster_run=run, workspace=None, resume_attempt_number=1)
     assert launch.dagster_run.run_id == resume.dagster_run.run_id == run.run_id
     assert launch.workspace is None and resume.resume_attempt_number == 1
+
+
+def test_a_data_failure_fails_its_step_with_one_message_and_no_stack_trace(instance):
+    @dg.asset
+    def failing() -> None:
+        raise private.DataFailure("2 of 8 shard(s) failed: a.parquet: verify_512 failed keys_match")
+
+    result = dg.materialize([failing], instance=instance, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    error = failure.event_specific_data.error
+    assert error.message == "2 of 8 shard(s) failed: a.parquet: verify_512 failed keys_match"
+    assert error.stack == [] and error.cls_name == "DataFailure" and error.cause is None
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None and run.status is dg.DagsterRunStatus.FAILURE
