@@ -208,6 +208,9 @@ class DatasetConfig(_Strict):
     audit: AuditConfig = AuditConfig()
     fidelity_sweep: FidelitySweepConfig = FidelitySweepConfig()
     verify_sample: int = Field(default=32, ge=0)  # images decoded per shard and resolution
+    # Rows compared with their source per verification, at most verify_sample: a window of rows not compared
+    # before (docs/fidelity.md, "Rolling coverage and the sweep").
+    fidelity_sample: int = Field(default=VerifyOptions().fidelity_sample or 8, ge=1)
     overlay_sample: int = Field(default=3, ge=0, le=50)  # overlay pictures drawn per shard (under reports)
     overlay_embed: int = Field(default=1, ge=0, le=10)  # of those, pictures inlined in the crop_bbox materialization
 
@@ -329,7 +332,12 @@ class DatasetConfig(_Strict):
         return PixelOptions.from_values({**self.model_dump(), **self.limits.model_dump()})
 
     def verify_options(self) -> VerifyOptions:
-        return VerifyOptions(patch_size=self.patch_size, square=self.square, sample=self.verify_sample)
+        return VerifyOptions(
+            patch_size=self.patch_size,
+            square=self.square,
+            sample=self.verify_sample,
+            fidelity_sample=self.fidelity_sample,
+        )
 
 
 class SidecarConfig(_Strict):
