@@ -18,6 +18,7 @@ without the fidelity check: seconds per shard, and the verifier's share of the b
 from __future__ import annotations
 
 import io
+import math
 import random
 import shutil
 import statistics
@@ -271,11 +272,60 @@ def verifier_cost(workdir: Path, rows: int, seed: int = 0, profile: str = "photo
     }
 
 
+def coverage_walk(workdir: Path, rows: int, seed: int = 0, profile: str = "photo", budget: float = 600.0) -> dict:
+    """Successive default verifications of the shard `verifier_cost` built (both resolutions, each continuing
+    the rolling fidelity window of the previous one: shards/verify/coverage.py) until every valid row was
+    compared: how many it takes (ceil(valid / window)), the CPU seconds of each, and what a fidelity sweep
+    with `budget` CPU seconds per hour covers: shard verifications per hour, and the hours a dataset of
+    10,000 shards of 1,000 rows of these images takes to have every row compared (one verification of a
+    shard costs about the same whatever its rows: the window is fixed)."""
+    from fixed_res_sidecar.io.locations import Location
+    from fixed_res_sidecar.shards.layout import DatasetLayout, resized_output
+    from fixed_res_sidecar.shards.verify import COVERAGE_STAT, SharedRenders, VerifyOptions, verify_resized_shard
+
+    root = workdir / f"fidelity-cost-{profile}-{rows}-{seed}"
+    layout = DatasetLayout(
+        Location.parse(root / "main"),
+        {name: resized_output(name, Location.parse(root / "out" / name)) for name in RESOLUTIONS},
+    )
+    options, previous = VerifyOptions(), dict.fromkeys(RESOLUTIONS)
+    seconds, coverage = [], {}
+    while True:
+        started = time.process_time()
+        shared = SharedRenders()
+        for name in RESOLUTIONS:
+            report = verify_resized_shard(layout, "shard.parquet", name, options, shared, previous[name])
+            if not report.passed:
+                raise RuntimeError(f"the good shard failed: {[c.message for c in report.failed_checks]}")
+            coverage[name] = previous[name] = report.stats[COVERAGE_STAT]
+        seconds.append(time.process_time() - started)
+        log(f"fidelity coverage: verification {len(seconds)}: {[c['compared_ever'] for c in coverage.values()]} rows")
+        if all(c["compared_ever"] >= c["comparable"] for c in coverage.values()):
+            break
+    per_verification = statistics.median(seconds)
+    windows_1000 = math.ceil(1000 / options.fidelity_sample) if options.fidelity_sample else 1
+    per_hour = budget / per_verification
+    return {
+        "rows": rows,
+        "window": options.fidelity_sample,
+        "comparable": {name: c["comparable"] for name, c in coverage.items()},
+        "verifications_to_full_coverage": len(seconds),
+        "expected": max(math.ceil(c["comparable"] / options.fidelity_sample) for c in coverage.values()),
+        "cpu_s_per_verification": per_verification,
+        "cpu_s_to_full_coverage": sum(seconds),
+        "sweep_budget_cpu_s_per_hour": budget,
+        "sweep_shard_verifications_per_hour": per_hour,
+        "sweep_hours_10000_shards_of_1000_rows": 10_000 * windows_1000 / per_hour,
+    }
+
+
 def run_fidelity(workdir: Path, rows: int, quick: bool = False, seed: int = 0, profile: str = "photo") -> dict:
     log("fidelity: scoring good and damaged outputs")
     report = {"scores": score_distributions(varied_sources(quick=quick))}
     log("fidelity: verifier cost")
     report["cost"] = verifier_cost(workdir, rows, seed, profile)
+    log("fidelity: rolling coverage")
+    report["coverage"] = coverage_walk(workdir, rows, seed, profile)
     return report
 
 
@@ -307,3 +357,16 @@ def print_fidelity(report: dict) -> None:
     for label, seconds in cost["verify_cpu_s"].items():
         share, share_1000 = cost["verify_share_of_build"][label], cost["verify_share_of_build_1000_rows"][label]
         print(f"{label:<36}{seconds:>8.2f}{100 * share:>7.1f}%{100 * share_1000:>20.1f}%")
+    walk = report.get("coverage")
+    if walk:
+        print(
+            f"Rolling fidelity coverage, the same shard ({walk['comparable']} comparable rows, window "
+            f"{walk['window']}): every row compared after {walk['verifications_to_full_coverage']} verifications "
+            f"(ceil(rows / window) = {walk['expected']}), {walk['cpu_s_per_verification']:.2f} CPU s each (both "
+            f"resolutions), {walk['cpu_s_to_full_coverage']:.1f} CPU s in all"
+        )
+        print(
+            f"Fidelity sweep at {walk['sweep_budget_cpu_s_per_hour']:g} CPU s per hour: "
+            f"{walk['sweep_shard_verifications_per_hour']:.0f} shard verifications per hour; 10,000 shards of 1,000 "
+            f"such rows fully compared in {walk['sweep_hours_10000_shards_of_1000_rows']:,.0f} hours"
+        )

@@ -15,6 +15,7 @@
    valid and invalid rows per error code, check results, and where the overlay pictures are.
 """
 
+import json
 import logging
 import os
 import shutil
@@ -38,6 +39,8 @@ from fixed_res_sidecar.sample_data import DEFAULT_SHARDS, write_sample_dataset
 INSTANCE_YAML = Path(__file__).resolve().parent / "defs" / "dagster.yaml"
 
 DEFAULT_WORKDIR = Path("sidecar-demo")
+# Where each demo was run from and where it went (`sidecar-ops ui` finds it from the same folder).
+DEMOS_FILE = "fixed-res-sidecar/demos.json"
 DATASET_NAME = "sample"
 QUIET_RUN_CONFIG = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
@@ -128,6 +131,37 @@ def dagster_home(workdir: Path) -> Iterator[Path]:
         os.environ.pop("DAGSTER_HOME", None)
 
 
+def _demos_file() -> Path:
+    """The user's record of demos: under $XDG_STATE_HOME (default ~/.local/state)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / DEMOS_FILE
+
+
+def remember_demo(folder: Path, workdir: Path, home: Path) -> None:
+    """Record that a demo run from `folder` went to `workdir` (Dagster home `home`); best effort."""
+    path = _demos_file()
+    try:
+        demos = json.loads(path.read_text()) if path.exists() else {}
+        demos = demos if isinstance(demos, dict) else {}
+        demos[str(folder.resolve())] = {"workdir": str(workdir), "dagster_home": str(home)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(demos, indent=1))
+        temporary.replace(path)
+    except (OSError, ValueError):
+        pass  # a record for convenience only: `sidecar-ops ui --workdir` always works
+
+
+def remembered_demo(folder: Path) -> tuple[Path, Path] | None:
+    """(work dir, Dagster home) of the last demo run from `folder`, if it is still there."""
+    try:
+        entry = json.loads(_demos_file().read_text()).get(str(folder.resolve()))
+        workdir, home = Path(entry["workdir"]), Path(entry["dagster_home"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (workdir, home) if (workdir / "datasets.yaml").is_file() else None
+
+
 def show_automation_on(instance) -> None:
     """Clear the instance's legacy "auto-materialize paused" flag, which the UI shows as "Auto-materialize
     off" although this project's automation runs in its automation sensors (which ignore the flag)."""
@@ -204,6 +238,7 @@ def run_demo(
     logging.getLogger("dagster").setLevel(logging.WARNING)
 
     with dagster_home(workdir) as home, dg.DagsterInstance.get() as instance:
+        remember_demo(Path.cwd(), workdir, home)
         show_automation_on(instance)
         new = register_shards(instance, dataset)
         rels = sorted(instance.get_dynamic_partitions(keys.partitions))
@@ -250,12 +285,14 @@ def _collect(
     summary: DemoSummary, instance, defs, dataset: DatasetConfig, rels: list[str], totals: dict[str, Any]
 ) -> None:
     """Rows per resolution from the dataset audit's totals; check results per shard from the instance."""
+    from fixed_res_sidecar.defs.dataset_audit import rows_label
+
     for resolution in RESOLUTION_NAMES:
-        errors = {code: totals.get(f"{resolution}_invalid_{code}", 0) for code in ERROR_CODES}
+        errors = {code: totals.get(rows_label(resolution, f"invalid {code}"), 0) for code in ERROR_CODES}
         summary.rows[resolution] = {
             "audit_prefix": dataset.resized(resolution).audit_prefix,
-            "valid": totals.get(f"{resolution}_valid_rows", 0),
-            "invalid": totals.get(f"{resolution}_invalid_rows", 0),
+            "valid": totals.get(rows_label(resolution, "valid"), 0),
+            "invalid": totals.get(rows_label(resolution, "invalid"), 0),
             "errors": {code: n for code, n in errors.items() if n},
         }
     statuses = _check_statuses(instance, defs, dataset, rels)

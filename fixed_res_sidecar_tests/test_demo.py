@@ -15,11 +15,15 @@ from fixed_res_sidecar.demo import demo_config
 def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     monkeypatch.delenv("SIDECAR_DATASETS", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
     workdir = tmp_path / "demo"
     said: list[str] = []
 
     first = demo.run_demo(workdir, shards=2, rows_per_shard=6, say=said.append)
     assert first.created_sample and first.ok
+    # Remembered for `sidecar-ops ui` run from the same folder.
+    assert demo.remembered_demo(tmp_path) == (workdir, workdir / "dagster_home")
     assert [s.status for s in first.shards] == ["built", "built"]
     assert sorted(first.new_partitions) == ["part-00000.parquet", "part-00001.parquet"]
     assert first.dagster_home == workdir / "dagster_home"

@@ -4,6 +4,8 @@ Which datasets file and Dagster home, first that applies:
   --datasets FILE              that file; the home is --dagster-home, $DAGSTER_HOME or <FILE's folder>/dagster_home
   --workdir DIR                a `sidecar-ops demo` work dir: DIR/datasets.yaml and DIR/dagster_home
   ./sidecar-demo               the demo's work dir, when it exists (after `sidecar-ops demo`)
+  the last demo run from here  `sidecar-ops demo --workdir DIR` run from this folder (recorded under
+                               $XDG_STATE_HOME, default ~/.local/state), with the home it used
   ./datasets.yaml              with --dagster-home, $DAGSTER_HOME or ./dagster_home
 
 The home gets the packaged instance settings (dagster.yaml) if it has none, and a workspace
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
 
 def where(args: argparse.Namespace) -> tuple[Path, Path]:
     """(datasets file, Dagster home) from the options, the demo's work dir, or the current folder."""
+    from fixed_res_sidecar.demo import remembered_demo  # Dagster is imported only when a command runs
+
     explicit_home = args.dagster_home or os.environ.get("DAGSTER_HOME")
     if args.datasets:
         datasets = Path(args.datasets).expanduser().resolve()
@@ -95,6 +99,9 @@ def where(args: argparse.Namespace) -> tuple[Path, Path]:
     elif args.workdir or DEMO_WORKDIR.is_dir():
         workdir = Path(args.workdir or DEMO_WORKDIR).expanduser().resolve()
         datasets, home = workdir / "datasets.yaml", Path(args.dagster_home or workdir / "dagster_home").resolve()
+    elif (demo := remembered_demo(Path.cwd())) is not None and not Path("datasets.yaml").is_file():
+        workdir, demo_home = demo
+        datasets, home = workdir / "datasets.yaml", Path(args.dagster_home or demo_home).resolve()
     else:
         datasets = Path("datasets.yaml").resolve()
         home = Path(explicit_home or "dagster_home").expanduser().resolve()

@@ -39,6 +39,7 @@ from fixed_res_sidecar.shards.verify import (
     FIDELITY,
     ShardReport,
     VerifyOptions,
+    previous_coverage,
     verify_crop_bbox_shard,
     verify_resized_shard,
     write_fidelity_pictures,
@@ -174,8 +175,12 @@ def run_verify_resized(args) -> int:
         fidelity_sample=args.fidelity_sample,
     )
 
+    # Each shard's fidelity window continues from the one the previous report (the same --report file) recorded.
+    previous = _previous_coverages(args.report)
+
     def verify_shard(rel: str) -> ShardReport:
-        report = verify_resized_shard(layout, rel, output.resolution, options)
+        shard = output.location.child(rel)
+        report = verify_resized_shard(layout, rel, output.resolution, options, previous_coverage=previous.get(shard))
         if picture_dir is not None and not report.check(FIDELITY).passed:
             report.stats["fidelity_pictures"] = _fidelity_pictures(
                 layout, rel, output.resolution, report, options, picture_dir
@@ -224,6 +229,24 @@ def run_verify_crop_bbox(args) -> int:
         checked += [(f"{rel} (overlay pictures)", reason) for rel, reason in storage.items()]
         header += f"\noverlays: {written} picture(s) under {overlay_dir.uri}"
     return _finish("verify-crop-bbox", header, checked, summary, args.report, layout, overlay_failures)
+
+
+def _previous_coverages(report_path: str | None) -> dict[str, Any]:
+    """Shard URI -> the fidelity coverage a previous `--report` file recorded for it (none if there is no
+    readable one: the windows start over)."""
+    if not report_path:
+        return {}
+    try:
+        folder, name = Location.file(report_path)
+        document = json.loads(folder.read_bytes(name)) if folder.exists(name) else {}
+    except (OSError, ValueError, LocationError):
+        return {}
+    shards = document.get("shards") if isinstance(document, dict) else None
+    return {
+        report["shard"]: coverage
+        for report in shards or []
+        if isinstance(report, dict) and (coverage := previous_coverage(report)) is not None
+    }
 
 
 def sample_count(text: str) -> int | None:

@@ -40,7 +40,9 @@ import dagster as dg
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.overlay import embeddable
+from fixed_res_sidecar.defs import ui_links
 from fixed_res_sidecar.defs.checks import (
+    VERIFY_CPU_SECONDS,
     audit_check_results,
     check_evaluations,
     crop_check_specs,
@@ -52,9 +54,11 @@ from fixed_res_sidecar.defs.checks import (
     target_data,
 )
 from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.dagster_private import DataFailure
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.fencing import current_fence, fenced
 from fixed_res_sidecar.defs.history import (
+    FAILED_VERIFICATION,
     RESTATED_FROM_ID,
     RESTATED_FROM_RUN,
     VERIFIED_FINGERPRINT,
@@ -66,7 +70,7 @@ from fixed_res_sidecar.defs.history import (
     wait_for_storage,
 )
 from fixed_res_sidecar.defs.ledger import CHECKS, Action, CheckState, Decision, ShardLedger
-from fixed_res_sidecar.defs.names import REBUILD_FAILED_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, SWEEP_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.io.locations import Location, commit_guard
 from fixed_res_sidecar.shards import verify
@@ -85,8 +89,11 @@ from fixed_res_sidecar.shards.runner import Progress, run_shards
 CROP_BBOX_CONDITION = (
     dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
 ).with_label("eager, once the verifiers' blocking checks passed")
-# A verifier re-runs after its resized shard was rebuilt in a run that did not verify it.
-VERIFY_CONDITION = dg.AutomationCondition.eager()
+# A verifier re-runs after its resized shard was rebuilt in a run that did not verify it; not after a run
+# that verified it and failed (a failed verification is not materialised: verifying again would only fail again).
+VERIFY_CONDITION = (dg.AutomationCondition.eager() & ~dg.AutomationCondition.execution_failed()).with_label(
+    "eager, unless its latest verification failed"
+)
 # The resized assets' code version: the UI marks shards built by another version Unsynced.
 RESIZE_CODE_VERSION = str(RESIZE_OUTPUT_VERSION)
 
@@ -182,8 +189,8 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             threads=sidecar.threads_for(dataset.threads_per_shard),
             skip_existing=sidecar.skip_existing,
             overlay_sample=dataset.overlay_sample,
-            rebuild_failed=context.run.tags.get(REBUILD_FAILED_TAG) == "true",
         )
+        sweep = context.run.tags.get(SWEEP_TAG) == "true"
         rels = list(context.partition_keys)
         layout = dataset.layout
         ledgers = read_ledgers(context.instance, keys, rels)
@@ -194,7 +201,7 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
             try:
                 in_main = dataset.main.exists(rel)
                 decisions[rel] = ledgers[rel].decide(
-                    stages, options.skip_existing, StoredOutputs(layout, rel, stages, options), in_main
+                    stages, options.skip_existing, StoredOutputs(layout, rel, stages, options), in_main, sweep
                 )
             except Exception as exc:  # noqa: BLE001 - one shard's failure must not stop the others
                 infra[rel] = [describe_exception(exc, max_chars=500)]
@@ -205,7 +212,9 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
                 context.log.info(f"{rel}: {decision.reason}")
                 yield from restated_events(context, keys, ledgers[rel], stages)
             elif decision.action is Action.REFUSE:
-                yield refusal(keys, rel, list(decision.gate or ()), context)
+                yield refusal(
+                    keys, rel, list(decision.gate or ()), context, _crop_built_by(context.instance, keys, rel)
+                )
                 data[rel] = [f"crop_bbox refused: {'; '.join(decision.gate or ())}"]
             else:
                 context.log.info(f"{rel}: {decision.reason}")
@@ -213,9 +222,10 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
         # The cross-run gate is the ledger's, read above; when this run verifies both resolutions
         # itself, run_stages gates the crop on this run's own reports (docs/performance.md, "Dagster at scale").
         gates = {rel: list(gate) for rel in todo if (gate := decisions[rel].gate) is not None}
+        rebuilds = {rel: decisions[rel].rebuild for rel in todo if decisions[rel].rebuild}
         workers = max(1, min(len(todo), int(dataset.run_resources.cpu // max(1, options.threads))))
         options = replace(options, memory_gb=dataset.run_resources.memory_gb / workers)  # shared by the workers
-        outcomes, failures = _run(dataset, todo, stages, options, gates, workers, fence.commit_check)
+        outcomes, failures = _run(dataset, todo, stages, options, (gates, rebuilds), workers, fence.commit_check)
         # The work may have outlasted a storage outage: record it once the event log answers again.
         wait_for_storage(context.instance)
         fence.check()  # a worker that lost its run meanwhile records nothing
@@ -226,16 +236,19 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
                 yield from shard_events(context, dataset, keys, outcomes[rel], stages)
                 if outcome_problems := outcomes[rel].problems():
                     data[rel] = outcome_problems
-        if data and not infra:
-            retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
-        if problems := {**data, **infra}:
-            # The run fails, naming each failed shard; every other shard of it is recorded whole (every
-            # selected asset materialised, every check evaluated), so only failed shards show Failed.
-            raise dg.Failure(
-                description=f"{len(problems)} of {len(rels)} shard(s) failed: "
-                + "; ".join(f"{rel}: {', '.join(why)}" for rel, why in sorted(problems.items())),
-                metadata={"failed_shards": dg.MetadataValue.json(sorted(problems))},
-            )
+        if not (problems := {**data, **infra}):
+            return
+        # The run fails, naming each failed shard; every other shard of it is recorded whole (every
+        # selected asset materialised, every check evaluated), so only failed shards show Failed.
+        message = f"{len(problems)} of {len(rels)} shard(s) failed: " + "; ".join(
+            f"{rel}: {', '.join(why)}" for rel, why in sorted(problems.items())
+        )
+        if infra:  # not only the data's: a retry may do better, and the stack trace may tell why
+            raise dg.Failure(description=message, metadata={"failed_shards": dg.MetadataValue.json(sorted(problems))})
+        retry_run_on_failure(context.instance, context.run.run_id, False)  # the data's failure: it would repeat
+        context.log.warning(f"repair: {ui_links.repair(keys, sorted(problems))} (Materialize all…, then Launch)")
+        # The data failed, not the code: one message, no stack trace.
+        raise DataFailure(f"{message}. Run them again to repair them: the job rebuilds what failed.")
 
     return _shards
 
@@ -243,7 +256,8 @@ def shard_assets(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) ->
 def _per_shard_check_results(record: logging.LogRecord) -> bool:
     """Drops Dagster's "did not yield or return expected outputs" line for the checks: it counts only
     check results returned for the step's own partition, and a step over a batch reports each
-    shard's results as events (every selected check of every shard has one, or the run fails)."""
+    shard's results as events (every selected check of every shard has one, or the run fails).
+    The audit leaves `dataset_complete` unjudged on purpose while work is under way."""
     return "did not yield or return expected outputs" not in record.getMessage()
 
 
@@ -256,40 +270,38 @@ def selected_stages(keys: DatasetKeys, selected: Set[dg.AssetKey]) -> Stages:
 
 
 def _run(
-    dataset, rels, stages, options, gates, workers, commit_check=None
+    dataset, rels, stages, options, plans, workers, commit_check=None
 ) -> tuple[dict[str, ShardOutcome], dict[str, str]]:
     """Run the stages for every shard: in this process, or in worker processes (spawned per run); each
-    output is published only if `commit_check()` (the run fence's, picklable) does not raise."""
+    output is published only if `commit_check()` (the run fence's, picklable) does not raise. `plans`:
+    per shard, the gate problems on record and the outputs to build again (the ledger's decision)."""
     if not rels:
         return {}, {}
+    job = _StagesJob(dataset.layout, stages, options, plans, commit_check)
     if workers == 1:
         outcomes, failures = {}, {}
-        with commit_guard(commit_check):
-            for rel in rels:
-                try:
-                    outcomes[rel] = run_stages(dataset.layout, rel, stages, options, gates.get(rel))
-                except Exception as exc:  # noqa: BLE001 - one shard's failure must not lose the others' results
-                    failures[rel] = describe_exception(exc, max_chars=500)
+        for rel in rels:
+            try:
+                outcomes[rel] = job(rel)
+            except Exception as exc:  # noqa: BLE001 - one shard's failure must not lose the others' results
+                failures[rel] = describe_exception(exc, max_chars=500)
         return outcomes, failures
-    summary = run_shards(
-        _StagesJob(dataset.layout, stages, options, gates, commit_check),
-        rels,
-        workers=workers,
-        progress=Progress(len(rels), quiet=True),
-    )
+    summary = run_shards(job, rels, workers=workers, progress=Progress(len(rels), quiet=True))
     return summary.results, summary.failures
 
 
 class _StagesJob:
     """`run_stages` for one shard, as the picklable job the process runner takes."""
 
-    def __init__(self, layout, stages, options, gates, commit_check=None):
-        self.layout, self.stages, self.options, self.gates = layout, stages, options, gates
+    def __init__(self, layout, stages, options, plans, commit_check=None):
+        self.layout, self.stages, self.options, (self.gates, self.rebuilds) = layout, stages, options, plans
         self.commit_check = commit_check
 
     def __call__(self, rel: str) -> ShardOutcome:
         with commit_guard(self.commit_check):
-            return run_stages(self.layout, rel, self.stages, self.options, self.gates.get(rel))
+            return run_stages(
+                self.layout, rel, self.stages, self.options, self.gates.get(rel), self.rebuilds.get(rel, ())
+            )
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -323,24 +335,21 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
     for resolution, report in outcome.reports.items():
         failed = [c.name for c in report.failed_checks]
         context.log.info(f"{rel} {resolution}: {'passed' if report.passed else 'FAILED ' + ', '.join(failed)}")
-        yield dg.AssetMaterialization(
-            asset_key=keys.verify(resolution),
-            partition=rel,
-            metadata={
-                "report": dg.MetadataValue.path(outcome.report_paths[resolution]),
-                "passed": dg.MetadataValue.bool(report.passed),
-                VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
-                "failed_checks": dg.MetadataValue.json(failed),
-                **report_counts(report),
-                **fidelity_numbers(report),
-                "invalid_examples": examples_table(report.examples),
-            },
-        )
-        target = latest_materialization(instance, keys.verify(resolution), rel)
+        metadata = {
+            "report": dg.MetadataValue.path(outcome.report_paths[resolution]),
+            "passed": dg.MetadataValue.bool(report.passed),
+            VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
+            "failed_checks": dg.MetadataValue.json(failed),
+            **report_counts(report),
+            **fidelity_numbers(report),
+            VERIFY_CPU_SECONDS: dg.MetadataValue.float(round(outcome.verify_cpu_seconds.get(resolution, 0.0), 3)),
+            "invalid_examples": examples_table(report.examples),
+        }
+        key = keys.verify(resolution)
         pictures = {verify.FIDELITY: _fidelity_picture_metadata(dataset, outcome.fidelity_pictures.get(resolution))}
-        yield from check_evaluations(report, keys.verify(resolution), verify.RESIZED_CHECKS, rel, target, pictures)
+        yield from verified_events(context, keys, key, rel, report, metadata, verify.RESIZED_CHECKS, pictures)
     if outcome.crop_refused:
-        yield refusal(keys, rel, outcome.crop_refused, context)
+        yield refusal(keys, rel, outcome.crop_refused, context, _crop_built_by(instance, keys, rel))
     elif outcome.crop_problem:
         context.log.error(f"{rel}: crop_bbox not built: {outcome.crop_problem}")
     elif outcome.crop is not None:
@@ -360,28 +369,84 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
             "captions": dg.MetadataValue.json(report.stats.get("caption_status", {})),
             "boxes": dg.MetadataValue.json(report.stats.get("boxes", {})),
             "seconds": dg.MetadataValue.float(round(outcome.seconds, 3)),
+            VERIFY_CPU_SECONDS: dg.MetadataValue.float(round(outcome.verify_cpu_seconds.get("crop_bbox", 0.0), 3)),
         }
-        yield dg.AssetMaterialization(asset_key=keys.crop_bbox, partition=rel, metadata=metadata)
-        target = latest_materialization(instance, keys.crop_bbox, rel)
-        yield from check_evaluations(report, keys.crop_bbox, verify.CROP_BBOX_CHECKS, rel, target)
+        yield from verified_events(context, keys, keys.crop_bbox, rel, report, metadata, verify.CROP_BBOX_CHECKS)
 
 
-def refusal(keys: DatasetKeys, rel: str, problems: list[str], context) -> dg.AssetObservation:
-    """A refused crop_bbox: nothing built, no check run (the sidecar on disk did not change); this says why."""
+def verified_events(
+    context,
+    keys: DatasetKeys,
+    key: dg.AssetKey,
+    rel: str,
+    report: verify.ShardReport,
+    metadata: dict[str, dg.MetadataValue],
+    expected: tuple[str, ...],
+    extra: dict | None = None,
+) -> Iterator:
+    """A verified output's events: a materialization and its check results when every check passed;
+    when one failed, an observation holding the same metadata (`history.FAILED_VERIFICATION`) and the
+    check results, so that the asset reads Failed for that shard in every view (its run fails without
+    materialising it), as its checks do. Each failed result links to the repair."""
+    if report.passed:
+        yield dg.AssetMaterialization(asset_key=key, partition=rel, metadata=metadata)
+        target = latest_materialization(context.instance, key, rel)
+        yield from check_evaluations(report, key, expected, rel, target, extra)
+        return
+    failed = ", ".join(c.name for c in report.failed_checks)
+    yield dg.AssetObservation(
+        asset_key=key,
+        partition=rel,
+        description=f"verification failed ({failed}): not materialised; the next run of this shard rebuilds it",
+        metadata={
+            FAILED_VERIFICATION: dg.MetadataValue.bool(True),
+            "repair": dg.MetadataValue.url(ui_links.repair(keys, [rel])),
+            **metadata,
+        },
+    )
+    repair = {"repair": dg.MetadataValue.url(ui_links.repair(keys, [rel]))}
+    extra = {name: {**repair, **(extra or {}).get(name, {})} for name in expected}
+    # Linked to the shard's latest materialization of the asset (the last verification that passed, if any):
+    # Dagster shows a partitioned check's result only when it is about the partition's latest materialization.
+    target = latest_materialization(context.instance, key, rel)
+    yield from check_evaluations(report, key, expected, rel, target, extra)
+
+
+def _crop_built_by(instance, keys: DatasetKeys, rel: str) -> str | None:
+    """The run that built the crop_bbox on record for shard `rel`, if any."""
+    record = latest_materialization(instance, keys.crop_bbox, rel)
+    if record is None:
+        return None
+    materialization = record.asset_materialization
+    built_by = materialization.metadata.get(RESTATED_FROM_RUN) if materialization is not None else None
+    return str(built_by.value) if built_by is not None else record.run_id
+
+
+def refusal(
+    keys: DatasetKeys, rel: str, problems: list[str], context, built_by: str | None = None
+) -> dg.AssetObservation:
+    """A refused crop_bbox: nothing built, no check run (the sidecar on disk did not change); this says why.
+
+    Its `status` replaces the one of the crop_bbox on record in the UI's partition view (which shows
+    the latest materialization's metadata under later observations of the same keys), so the view
+    says one thing: not rebuilt, and whose the sidecar on disk is."""
     reason = (
         f"crop_bbox of {rel} is gated on the verifiers, whose checks have not all passed on the current resized "
-        f"shards: {'; '.join(problems)}. Fix or rebuild the resized shard, re-run verify_512/verify_1024 for it, "
-        "then crop_bbox."
+        f"shards: {'; '.join(problems)}. Run the shard again (its job): the failed output is rebuilt, verified "
+        "and then cropped."
     )
     context.log.warning(reason)
+    on_disk = f"the sidecar on disk is from run {built_by[:8]}" if built_by else "no sidecar was ever built"
     return dg.AssetObservation(
         asset_key=keys.crop_bbox,
         partition=rel,
         description=reason[:2000],
         metadata={
+            "status": dg.MetadataValue.text(f"refused by the gate: not rebuilt; {on_disk}"),
             "gate": dg.MetadataValue.text("refused: nothing built"),
             "shard": dg.MetadataValue.text(rel),
             "reason": dg.MetadataValue.md("\n".join(f"- {p}" for p in problems)),
+            "repair": dg.MetadataValue.url(ui_links.repair(keys, [rel])),
         },
     )
 
@@ -464,13 +529,14 @@ def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> 
 
 
 def _fidelity_picture_metadata(dataset: DatasetConfig, pictures: list[str] | str | None) -> dict[str, dg.MetadataValue]:
-    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays."""
+    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays:
+    every one of them inline (at most the verifier's MAX_PROBLEMS rows; a local path is no use in a browser)."""
     if not pictures:
         return {}
     if isinstance(pictures, str):
         return {"pictures": dg.MetadataValue.text(f"comparison pictures could not be drawn: {pictures}")}
     location = dataset.layout.report_location("fidelity")
-    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, dataset.overlay_embed))}
+    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, len(pictures)))}
 
 
 def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
@@ -496,27 +562,41 @@ def _picture_link(location: Location, rel: str) -> str:
 def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:
     keys = DatasetKeys(dataset.name)
 
-    @dg.asset(
-        key=keys.audit,
-        # Not on main directly: main's shards carry data versions that Dagster cannot carry into an
-        # unpartitioned asset, so the audit would read Unsynced forever after any change of main.
-        # It follows main through the outputs, which are rebuilt when main changes.
-        deps=[*(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox],
-        group_name=keys.group,
+    # A multi-asset of one asset only so that a check may go unevaluated: `dataset_complete` is not judged
+    # while work is under way (defs/checks.py `audit_check_results`).
+    @dg.multi_asset(
+        name=f"{dataset.name}__audit",
+        specs=[
+            dg.AssetSpec(
+                keys.audit,
+                # Not on main directly: main's shards carry data versions that Dagster cannot carry into an
+                # unpartitioned asset, so the audit would read Unsynced forever after any change of main.
+                # It follows main through the outputs, which are rebuilt when main changes.
+                deps=[*(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox],
+                group_name=keys.group,
+                description=(
+                    f"The audit of {dataset.name}, from what the Dagster instance recorded, checked against a listing of "
+                    "each output (no image is read): its "
+                    "verdict first, the failing shards with links to their pages and to their repair, the totals "
+                    "(shards, rows, sizes) and fidelity (rows compared, scores, the share of rows ever compared), "
+                    "then every number, plotted across materializations (failures first). It runs within a minute "
+                    "of every run of the dataset that ends, and hourly. Its check `dataset_audit` fails when a shard "
+                    "failed a blocking check or lacks its crop_bbox; `dataset_complete` warns while work is left."
+                ),
+                kinds={"json"},
+                skippable=True,
+            )
+        ],
         check_specs=dataset_audit_check_specs(keys),
-        description=(
-            f"The audit of {dataset.name}: shards, rows and bytes of main and every output, valid and invalid rows "
-            "per error code and resolution, and the shards whose checks failed or whose crop_bbox is missing, "
-            "from what the Dagster instance recorded, checked against a listing of each output (no image is "
-            "read). Its numbers are plotted across "
-            "materializations; its check fails when a shard failed a blocking check or lacks its crop_bbox."
-        ),
-        kinds={"json"},
+        can_subset=True,
     )
-    def _audit(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    def _audit(context: dg.AssetExecutionContext) -> Iterator:
+        context.log.addFilter(_per_shard_check_results)  # an unjudged dataset_complete is meant
         audit = audit_dataset(context.instance, keys, dataset.layout, own_run_id=context.run.run_id)
         context.log.info(audit.description())
-        return dg.MaterializeResult(metadata=audit.metadata(), check_results=audit_check_results(keys, audit))
+        yield dg.MaterializeResult(
+            asset_key=keys.audit, metadata=audit.metadata(), check_results=audit_check_results(keys, audit)
+        )
 
     return _audit
 

@@ -63,6 +63,12 @@ CROP_CHECK_DESCRIPTIONS = {
         "and the recorded box keys and caption frame equal what the sidecar stores, byte for byte."
     ),
 }
+# A verifier materialization's rolling fidelity coverage (the dataset audit sums it per resolution).
+COVERAGE_COMPARABLE = "fidelity_comparable_rows"  # valid rows of the output: what can be compared
+COVERAGE_EVER = "fidelity_rows_compared_ever"  # of those, compared by some verification of these bytes
+COVERAGE_SINCE = "fidelity_coverage_since"  # when these bytes were first verified (unix time)
+# A verifier's (and crop_bbox's) materialization: the CPU seconds its verification took (the sweep's budget).
+VERIFY_CPU_SECONDS = "verify_cpu_seconds"
 DATASET_AUDIT_CHECK = "dataset_audit"
 DATASET_COMPLETE_CHECK = "dataset_complete"
 
@@ -141,8 +147,14 @@ def examples_table(examples: Sequence[Mapping[str, Any]], limit: int = 20) -> dg
 
 
 def report_counts(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
-    """The counts a reader wants first, as plain numbers (shown inline, one per error code)."""
-    counts = {"rows": report.rows or 0, "valid": report.valid or 0, "invalid": report.invalid or 0}
+    """The counts a reader wants first, as plain numbers (shown inline, one per error code). A shard
+    that could not be read has no counts: it says so, rather than "rows 0"."""
+    if report.rows is None:
+        return {"rows": dg.MetadataValue.text("unknown: the shard could not be read")}
+    counts = {"rows": report.rows}
+    if report.valid is None or report.invalid is None:
+        return {"rows": dg.MetadataValue.int(report.rows)}
+    counts.update(valid=report.valid, invalid=report.invalid)
     counts.update({f"invalid_{code}": report.error_counts.get(code, 0) for code in ERROR_CODES})
     unknown = {code: n for code, n in report.error_counts.items() if code not in ERROR_CODES}
     metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in counts.items()}
@@ -166,6 +178,11 @@ def fidelity_numbers(report: verify.ShardReport) -> dict[str, dg.MetadataValue]:
     numbers.update(
         {f"fidelity_score_{bin}": dg.MetadataValue.int(found.get("score_bins", {}).get(bin, 0)) for bin in SCORE_BINS}
     )
+    coverage = report.stats.get(verify.COVERAGE_STAT)
+    if isinstance(coverage, dict):  # the rolling sample (shards/verify/coverage.py)
+        numbers[COVERAGE_COMPARABLE] = dg.MetadataValue.int(coverage.get("comparable", 0))
+        numbers[COVERAGE_EVER] = dg.MetadataValue.int(coverage.get("compared_ever", 0))
+        numbers[COVERAGE_SINCE] = dg.MetadataValue.float(float(coverage.get("since", 0.0)))
     return numbers
 
 
@@ -236,17 +253,23 @@ def dataset_audit_check_specs(keys: DatasetKeys) -> list[dg.AssetCheckSpec]:
             DATASET_COMPLETE_CHECK,
             asset=keys.audit,
             description=(
-                "Whether the dataset is complete: every shard built, verified and cropped, nothing under way, no "
-                "shard removed from main with outputs left (orphans). A warning, never an error."
+                "Whether the dataset is complete: every shard built, verified and cropped, no shard removed from "
+                "main with outputs left (orphans), no partition that is not a shard of main. A warning, never an "
+                "error. Not evaluated (skipped) while runs of the dataset are under way: the audit then says so, and "
+                "runs again when they end."
             ),
         ),
     ]
 
 
 def audit_check_results(keys: DatasetKeys, audit) -> list[dg.AssetCheckResult]:
-    """The audit's two verdicts: failed shards (ERROR) and completeness (WARN), each labelled for what it says."""
+    """The audit's two verdicts: failed shards (ERROR) and completeness (WARN), each labelled for what it says.
+
+    While work of the dataset is under way, completeness is not judged (the check is not evaluated:
+    the UI shows it skipped, the audit's verdict says "under way"): work in progress is not a failure.
+    The run-status sensor audits again as soon as the work ends (defs/audit_triggers.py)."""
     metadata = audit.verdict_metadata()
-    return [
+    results = [
         dg.AssetCheckResult(
             asset_key=keys.audit,
             check_name=DATASET_AUDIT_CHECK,
@@ -254,13 +277,17 @@ def audit_check_results(keys: DatasetKeys, audit) -> list[dg.AssetCheckResult]:
             severity=dg.AssetCheckSeverity.ERROR,
             description=audit.description("FAILED" if audit.error else "passed")[:4000],
             metadata=metadata,
-        ),
-        dg.AssetCheckResult(
-            asset_key=keys.audit,
-            check_name=DATASET_COMPLETE_CHECK,
-            passed=audit.complete,
-            severity=dg.AssetCheckSeverity.WARN,
-            description=audit.description("complete" if audit.complete else "incomplete")[:4000],
-            metadata=metadata,
-        ),
+        )
     ]
+    if audit.under_way is None:
+        results.append(
+            dg.AssetCheckResult(
+                asset_key=keys.audit,
+                check_name=DATASET_COMPLETE_CHECK,
+                passed=audit.complete,
+                severity=dg.AssetCheckSeverity.WARN,
+                description=audit.description("complete" if audit.complete else "incomplete")[:4000],
+                metadata=metadata,
+            )
+        )
+    return results

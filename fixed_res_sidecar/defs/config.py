@@ -151,6 +151,32 @@ class SensorConfig(_Strict):
     max_new_shards_per_tick: int = Field(default=2000, ge=1, le=100_000)
 
 
+def _cron(value: str) -> str:
+    if len(value.split()) != 5:
+        raise ValueError(f"must be a cron schedule of five fields (minute hour day month weekday), got {value!r}")
+    return value
+
+
+class AuditConfig(_Strict):
+    """When the dataset audit runs: on a schedule, and after the dataset's runs end (defs/audit_triggers.py)."""
+
+    cron: str = "0 * * * *"  # hourly
+    after_runs: bool = True  # within a minute of every run of the dataset that ends
+
+    @field_validator("cron")
+    @classmethod
+    def _schedule(cls, value: str) -> str:
+        return _cron(value)
+
+
+class FidelitySweepConfig(_Strict):
+    """The fidelity sweep (defs/fidelity_sweep.py): every hour, shards verified again, each verification
+    comparing rows not compared before, within a CPU budget. Off until turned on."""
+
+    default_status: Literal["running", "stopped"] = "stopped"
+    cpu_seconds_per_hour: float = Field(default=600, gt=0)  # verifier CPU the sweep may spend per hour
+
+
 class DatasetConfig(_Strict):
     """One main dataset and everything built from it."""
 
@@ -179,7 +205,12 @@ class DatasetConfig(_Strict):
     shards_per_run: int = Field(default=DEFAULT_SHARDS_PER_RUN, ge=1, le=1000)
     run_resources: RunResources = RunResources()
     sensor: SensorConfig = SensorConfig()
+    audit: AuditConfig = AuditConfig()
+    fidelity_sweep: FidelitySweepConfig = FidelitySweepConfig()
     verify_sample: int = Field(default=32, ge=0)  # images decoded per shard and resolution
+    # Rows compared with their source per verification, at most verify_sample: a window of rows not compared
+    # before (docs/fidelity.md, "Rolling coverage and the sweep").
+    fidelity_sample: int = Field(default=VerifyOptions().fidelity_sample or 8, ge=1)
     overlay_sample: int = Field(default=3, ge=0, le=50)  # overlay pictures drawn per shard (under reports)
     overlay_embed: int = Field(default=1, ge=0, le=10)  # of those, pictures inlined in the crop_bbox materialization
 
@@ -304,7 +335,9 @@ class DatasetConfig(_Strict):
         return PixelOptions.from_values({**self.model_dump(), **self.limits.model_dump()})
 
     def verify_options(self) -> VerifyOptions:
-        return VerifyOptions(pixels=self.pixel_options(), sample=self.verify_sample)
+        return VerifyOptions(
+            pixels=self.pixel_options(), sample=self.verify_sample, fidelity_sample=self.fidelity_sample
+        )
 
 
 class SidecarConfig(_Strict):

@@ -36,6 +36,12 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
 - `ExecuteRunArgs`, `ResumeRunArgs`: the serialized arguments of `dagster api execute_run` /
   `resume_run`; a run worker whose code cannot load finds its run id and instance in them
   (`load_guard.py`): nothing else of Dagster's has run in that process yet.
+- `DagsterUserCodeProcessError`, `SerializableErrorInfo` (as `DataFailure`): a step that fails because
+  its data failed (a failed check, a refused crop) shows one message and no stack trace. Dagster
+  records a step's error from the exception it raises, with the traceback; a
+  `DagsterUserCodeProcessError` ("an error in a user code process", which our shard workers are)
+  carries an already serialized error instead, and Dagster records that one as it is, with the
+  stack it has: none. `dg.Failure` has no way to leave its stack out.
 - `InstanceRef`: what `DagsterInstance.get_ref()` returns, the picklable way to the instance that a
   run fence's commit check carries to the step's shard worker processes (`fencing.OwnerCheck`).
 - `StepMaterializationData`, `AssetObservationData`, `RUNLESS_RUN_ID`, `RUNLESS_JOB_NAME`
@@ -63,6 +69,7 @@ from dagster._core.definitions.data_version import (
     get_input_data_version_tag,
     get_input_event_pointer_tag,
 )
+from dagster._core.errors import DagsterUserCodeProcessError
 from dagster._core.event_api import PartitionKeyFilter
 from dagster._core.events import AssetObservationData, StepMaterializationData
 from dagster._core.execution.backfill import BulkActionsFilter, BulkActionStatus
@@ -79,6 +86,18 @@ from dagster._core.storage.tags import (
 )
 from dagster._daemon.asset_daemon import set_auto_materialize_paused
 from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
+from dagster_shared.error import SerializableErrorInfo
+
+DATA_FAILURE_CLASS = "DataFailure"
+
+
+class DataFailure(DagsterUserCodeProcessError):
+    """Fails a step with `message` alone: no stack trace, no class path (the data failed, not the code)."""
+
+    def __init__(self, message: str):
+        info = SerializableErrorInfo(message=message, stack=[], cls_name=DATA_FAILURE_CLASS)
+        super().__init__(message, user_code_process_error_infos=[info])
+
 
 EVENT_BATCH = 1000  # events per storage write: one insert of a few hundred kilobytes
 
@@ -94,6 +113,7 @@ __all__ = [
     "AssetCheckExecutionRecordStatus",
     "BulkActionStatus",
     "BulkActionsFilter",
+    "DataFailure",
     "ExecuteRunArgs",
     "InstanceRef",
     "LaunchRunContext",

@@ -43,7 +43,8 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.defs import history, ledger
+from fixed_res_sidecar.defs import history, ledger, ui_links
+from fixed_res_sidecar.defs.checks import COVERAGE_COMPARABLE, COVERAGE_EVER, COVERAGE_SINCE
 from fixed_res_sidecar.defs.dagster_private import BulkActionsFilter, BulkActionStatus
 from fixed_res_sidecar.defs.ledger import ShardLedger
 from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
@@ -55,7 +56,7 @@ PAGE = 10_000  # event records read at a time
 # How long after taking its storage id an event's writer has surely committed it (Dagster's own
 # connection retries take ~11 s): events younger than this are read again by the next update.
 SETTLE_SECONDS = 300.0
-STATE_VERSION = 2  # 2: a ledger per shard
+STATE_VERSION = 3  # 2: a ledger per shard; 3: failed verifications, fidelity coverage
 RUNS_PER_QUERY = 1000  # run ids asked at once whether the instance still has them
 PARTITIONS_PER_QUERY = 1000  # shards read again at once (those of deleted runs)
 LISTED = 20  # shards named per problem in the audit's text and tables
@@ -159,6 +160,19 @@ def _read_events(
             held = ledger_of(rel)
             ledgers[rel] = held.with_removal(record.storage_id)
             read += ledgers[rel] is not held
+    # Failed verifications: observations of the verifiers and crop_bbox (a failed one is not materialised).
+    assets = history.asset_keys(keys)
+    for name in history.VERIFIED_ASSETS:
+        for record in _new_events(instance.fetch_observations, assets[name], after):
+            high = max(high, record.storage_id)
+            rel = record.partition_key
+            if rel is None or not history.is_failed_verification(record):
+                continue
+            held = ledger_of(rel)
+            ledgers[rel] = held.with_failed_verification(name, ledger.Materialization(record.storage_id, record.run_id))
+            if ledgers[rel] is not held:
+                read += 1
+                _keep_numbers(state.shards.setdefault(rel, {}), name, record)
     # The latest result per check and shard (what the storage holds now, so applied as it is).
     names = {key: name for name, key in history.check_keys(keys).items()}
     infos = history.storage_call(
@@ -202,10 +216,15 @@ def _chunks(items: list[str], size: int):
 
 
 def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -> None:
-    """The counts a materialization adds to its shard's numbers (rows, bytes, valid and invalid rows, fidelity)."""
-    materialization = record.asset_materialization
-    assert materialization is not None  # a record of fetch_materializations
-    metadata = {key: value.value for key, value in materialization.metadata.items()}
+    """The counts a materialization (or a failed verification's observation) adds to its shard's numbers
+    (rows, bytes, valid and invalid rows, fidelity), unless the shard holds newer ones of that asset."""
+    event = record.asset_materialization or record.asset_observation
+    assert event is not None  # a record of fetch_materializations or fetch_observations
+    since = shard.setdefault("at", {})
+    if since.get(name, 0) > record.storage_id:
+        return  # older than what the shard holds (a materialization read after a later failure)
+    since[name] = record.storage_id
+    metadata = {key: value.value for key, value in event.metadata.items()}
     if name == ledger.MAIN:
         shard["main"] = [_int(metadata.get("dagster/row_count")), _int(metadata.get("bytes"))]
     elif name.startswith("resized_"):
@@ -244,13 +263,17 @@ def _new_events(fetch, key: dg.AssetKey, after: int, partitions: list[str] | Non
 
 
 def fidelity_state(metadata: dict[str, Any]) -> dict[str, Any]:
-    """What a verifier materialization says about fidelity (defs/checks.py `fidelity_numbers`)."""
+    """What a verifier materialization says about fidelity (defs/checks.py `fidelity_numbers`), and its
+    rolling coverage: comparable (valid) rows, rows compared ever on these bytes, and since when."""
     return {
         "checked": _int(metadata.get("fidelity_rows_checked")),
         "failing": _int(metadata.get("fidelity_failing_rows")),
         "min": _float(metadata.get("fidelity_min_score")),
         "median": _float(metadata.get("fidelity_median_score")),
         "bins": {bin: _int(metadata.get(f"fidelity_score_{bin}")) for bin in SCORE_BINS},
+        "comparable": _int(metadata.get(COVERAGE_COMPARABLE)),
+        "ever": _int(metadata.get(COVERAGE_EVER)),
+        "since": _float(metadata.get(COVERAGE_SINCE)),
     }
 
 
@@ -287,10 +310,13 @@ class DatasetAudit:
     orphans: list[str] = field(default_factory=list)  # removed from main; their outputs are kept
     # shard -> output -> how storage no longer holds what was verified (gone, or another object)
     changed: dict[str, dict[str, str]] = field(default_factory=dict)
+    foreign: list[str] = field(default_factory=list)  # partitions no listing of main ever had (added by hand?)
     under_way: str | None = None  # what is still running, if anything
     # resolution -> fidelity over the latest verification of every shard: rows compared, failing rows, rows per
-    # score bin, the lowest score and the shards' median scores
+    # score bin, the lowest score and the shards' median scores; and its rolling coverage: comparable rows,
+    # rows compared ever on the current bytes, when the oldest shard not fully compared was first verified
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)
+    evaluated_at: float = field(default_factory=time.time)
 
     @property
     def failed_shards(self) -> list[str]:
@@ -303,58 +329,194 @@ class DatasetAudit:
 
     @property
     def complete(self) -> bool:
+        """Every shard built, verified and cropped (a failed shard is not), nothing else left, nothing under way."""
         incomplete = any(self.not_verified.get(r) for r in RESOLUTION_NAMES) or self.crop_missing or self.crop_stale
-        return not (incomplete or self.orphans) and self.under_way is None and self.shards > 0
+        left = incomplete or self.failed_shards or self.orphans or self.foreign
+        return not left and self.under_way is None and self.shards > 0
 
     @property
     def passed(self) -> bool:
         return self.complete and not self.error
 
     def verdict(self) -> str:
-        return "FAILED" if self.error else "passed" if self.passed else "incomplete"
+        if self.error:
+            return "FAILED"
+        return "passed" if self.passed else "under way" if self.under_way else "incomplete"
 
-    def description(self, verdict: str | None = None) -> str:
-        """The audit in words, under `verdict` (default: the overall one)."""
+    # -- presentation: the verdict first, then the failing shards (linked), the totals with units,
+    # -- fidelity, the rest. Numbers are named so that the UI's plots (sorted by name) show failures first.
+
+    def failures(self) -> list[tuple[str, list[str]]]:
+        """(shard, the checks it failed), failed shards first by name."""
+        by_shard: dict[str, list[str]] = {}
+        for check, shards in sorted(self.failed.items()):
+            for rel in shards:
+                by_shard.setdefault(rel, []).append(check.split("/", 1)[1])
+        for rel, problems in self.changed.items():  # an output verified that storage no longer holds as it was
+            by_shard.setdefault(rel, []).extend(f"{output}: not on storage as verified" for output in sorted(problems))
+        return sorted(by_shard.items())
+
+    def headline(self, verdict: str | None = None) -> str:
+        verdict = verdict or self.verdict()
         if self.shards == 0:
             return f"{self.dataset}: no shards yet (the discovery sensor adds them as partitions)"
-        parts = []
-        for check, shards in sorted(self.failed.items()):
-            parts.append(f"{check} FAILED on {len(shards)} shard(s): {_names(shards)}")
+        failed = f"{len(self.failed_shards)} of {self.shards} shard(s) failed a check" if self.failed_shards else ""
+        parts = [failed] if failed else []
         if self.changed:
-            shown = [f"{rel} ({'; '.join(problems.values())})" for rel, problems in sorted(self.changed.items())]
-            parts.append(
-                f"{len(self.changed)} shard(s) whose outputs on storage are not what was verified: {_names(shown)}"
+            parts.append(f"{len(self.changed)} shard(s) whose outputs on storage are not what was verified")
+        if self.crop_missing or self.crop_stale:
+            parts.append(f"{len(self.crop_missing) + len(self.crop_stale)} shard(s) lack a current crop_bbox")
+        if self.under_way:
+            parts.append(f"under way: {self.under_way}")
+        if not parts:
+            parts.append(f"{self.verified_everywhere()} of {self.shards} shard(s) verified and cropped")
+        return f"{self.dataset} {verdict}: " + "; ".join(parts)
+
+    def verified_everywhere(self) -> int:
+        return min([self.verified.get(r, 0) for r in RESOLUTION_NAMES] + [self.crop_shards])
+
+    def description(self, verdict: str | None = None) -> str:
+        """The audit in words (markdown): verdict, failing shards linked to their pages and to their repair,
+        totals with units, fidelity, the rest."""
+        lines = [f"**{self.headline(verdict)}**"]
+        if self.shards == 0:
+            return lines[0]
+        keys = DatasetKeys(self.dataset)
+        if failures := self.failures():
+            repair = ui_links.repair(keys, [rel for rel, _ in failures])
+            lines += ["", f"Failed shards ([repair them: run them again]({repair})):"]
+            lines += [
+                f"- [{rel}]({ui_links.shard_page(keys.asset(checks[0].split(':')[0]), rel)}): {', '.join(checks)}"
+                for rel, checks in failures[:LISTED]
+            ]
+            if len(failures) > LISTED:
+                lines.append(f"- ... ({len(failures) - LISTED} more)")
+        lines += ["", "Totals: " + "; ".join(self.totals()) + "."]
+        lines += ["", "Fidelity: " + "; ".join(self.fidelity_words(r) for r in RESOLUTION_NAMES) + "."]
+        rest = self.rest()
+        if rest:
+            lines += [""] + [f"- {line}" for line in rest]
+        return "\n".join(lines)
+
+    def totals(self) -> list[str]:
+        totals = [f"main {self.shards} shards, {self.main_rows:,} rows, {_size(self.main_bytes)}"]
+        for r in RESOLUTION_NAMES:
+            totals.append(
+                f"{r}: {self.built.get(r, 0)} built, {self.verified.get(r, 0)} verified, {self.valid.get(r, 0):,} valid "
+                f"+ {self.invalid.get(r, 0):,} invalid rows, {_size(self.output_bytes.get(r, 0))}"
             )
+        totals.append(f"crop_bbox: {self.crop_shards} shards")
+        return totals
+
+    def fidelity_words(self, resolution: str) -> str:
+        found = self.fidelity.get(resolution) or {}
+        if not found.get("checked"):
+            return f"{resolution}: no row compared yet"
+        words = (
+            f"{resolution}: {found['checked']:,} rows compared in the latest verifications, {found['failing']} failing"
+            f", lowest {found['min']:.2f} dB"
+        )
+        if (share := _coverage(found)) is not None:
+            words += f"; {share:.0f}% of comparable rows ever compared"
+            if (age := self.oldest_uncompared_hours(resolution)) is not None:
+                words += f", the oldest never-compared row waiting {age:.1f} h"
+        return words
+
+    def oldest_uncompared_hours(self, resolution: str) -> float | None:
+        since = (self.fidelity.get(resolution) or {}).get("oldest")
+        return None if since is None else max(0.0, (self.evaluated_at - since) / 3600)
+
+    def rest(self) -> list[str]:
+        rest = [f"{rel}: {'; '.join(problems.values())}" for rel, problems in sorted(self.changed.items())[:LISTED]]
         if self.crop_missing:
-            parts.append(f"{len(self.crop_missing)} verified shard(s) without crop_bbox: {_names(self.crop_missing)}")
+            rest.append(f"{len(self.crop_missing)} verified shard(s) without crop_bbox: {_names(self.crop_missing)}")
         if self.crop_stale:
-            parts.append(
+            rest.append(
                 f"{len(self.crop_stale)} shard(s) whose crop_bbox is older than their latest verification: "
                 f"{_names(self.crop_stale)}"
             )
         for resolution in RESOLUTION_NAMES:
-            waiting = self.not_verified.get(resolution, [])
-            if waiting:
-                parts.append(f"{len(waiting)} shard(s) not verified at {resolution} yet: {_names(waiting)}")
+            if waiting := self.not_verified.get(resolution, []):
+                rest.append(f"{len(waiting)} shard(s) not verified at {resolution} yet: {_names(waiting)}")
         if self.orphans:
-            parts.append(
+            rest.append(
                 f"{len(self.orphans)} shard(s) removed from main, their outputs kept (orphans, never deleted "
                 f"automatically): {_names(self.orphans)}"
             )
+        if self.foreign:
+            rest.append(
+                f"{len(self.foreign)} partition(s) that no listing of main had (added by hand, e.g. with the UI's "
+                f"Add partition?): {_names(self.foreign)}; runs skip them, the discovery sensor's next complete "
+                "listing retires them"
+            )
         if self.under_way:
-            parts.append(f"under way: {self.under_way}")
-        verdict = verdict or self.verdict()
-        totals = "; ".join(
-            f"{r}: {self.valid.get(r, 0)} valid, {self.invalid.get(r, 0)} invalid" for r in RESOLUTION_NAMES
-        )
-        head = f"{self.dataset} {verdict}: {self.shards} shards, {self.crop_shards} with crop_bbox; {totals}"
-        return head + ("\n" + "\n".join(f"- {p}" for p in parts) if parts else "")
+            rest.append(f"under way: {self.under_way}")
+        return rest
+
+    def numbers(self) -> dict[str, int | float | None]:
+        """Every number, named so that sorted by name (the UI's plots) failures come first, then totals,
+        fidelity, rows per error code."""
+        numbers: dict[str, int | float | None] = {
+            "1. failed shards": len(self.failed_shards),
+            "1. shards changed on storage since verified": len(self.changed),
+            "1. shards without a current crop_bbox": len(self.crop_missing) + len(self.crop_stale),
+            "1. orphaned shards (removed from main)": len(self.orphans),
+            "1. partitions not in main": len(self.foreign),
+            **{
+                f"1. fidelity {r}: failing rows": (self.fidelity.get(r) or {}).get("failing", 0)
+                for r in RESOLUTION_NAMES
+            },
+            "2. shards": self.shards,
+            "2. main: rows": self.main_rows,
+            "2. main: size (MB)": _megabytes(self.main_bytes),
+            "2. crop_bbox: shards": self.crop_shards,
+        }
+        for r in RESOLUTION_NAMES:
+            numbers[f"2. {r}: shards built"] = self.built.get(r, 0)
+            numbers[f"2. {r}: shards verified"] = self.verified.get(r, 0)
+            numbers[f"2. {r}: shards not verified yet"] = len(self.not_verified.get(r, []))
+            numbers[f"2. {r}: size (MB)"] = _megabytes(self.output_bytes.get(r, 0))
+        for r in RESOLUTION_NAMES:
+            found = self.fidelity.get(r) or {}
+            medians = found.get("medians") or []
+            numbers[f"3. fidelity {r}: rows compared"] = found.get("checked", 0)
+            numbers[f"3. fidelity {r}: lowest score (dB)"] = found.get("min")
+            numbers[f"3. fidelity {r}: median score (dB)"] = round(statistics.median(medians), 2) if medians else None
+            numbers[f"3. fidelity {r}: rows ever compared (%)"] = _coverage(found)
+            numbers[f"3. fidelity {r}: oldest never-compared row (hours)"] = self.oldest_uncompared_hours(r)
+            for bin in SCORE_BINS:
+                numbers[f"3. fidelity {r}: rows scoring {bin.replace('_', ' ')} dB"] = (found.get("bins") or {}).get(
+                    bin, 0
+                )
+        for r in RESOLUTION_NAMES:
+            numbers[rows_label(r, "valid")] = self.valid.get(r, 0)
+            numbers[rows_label(r, "invalid")] = self.invalid.get(r, 0)
+            for code in ERROR_CODES:
+                numbers[rows_label(r, f"invalid {code}")] = self.errors.get(r, Counter()).get(code, 0)
+        return numbers
+
+    def metadata(self) -> dict[str, dg.MetadataValue]:
+        """The materialization's metadata, in reading order: the verdict, the failing shards (links to
+        their pages) and their repair, the totals and fidelity in words with units, then every number
+        (plotted across materializations)."""
+        keys = DatasetKeys(self.dataset)
+        metadata: dict[str, dg.MetadataValue] = {"verdict": dg.MetadataValue.text(self.headline())}
+        if failures := self.failures():
+            metadata["repair the failed shards"] = dg.MetadataValue.url(ui_links.repair(keys, [r for r, _ in failures]))
+            for rel, checks in failures[:LISTED]:
+                page = ui_links.shard_page(keys.asset(checks[0].split(":")[0]), rel)
+                metadata[f"failed: {rel} ({', '.join(checks)})"] = dg.MetadataValue.url(page)
+        metadata["totals"] = dg.MetadataValue.text("; ".join(self.totals()))
+        metadata["fidelity"] = dg.MetadataValue.text("; ".join(self.fidelity_words(r) for r in RESOLUTION_NAMES))
+        metadata["under way"] = dg.MetadataValue.text(self.under_way or "nothing")
+        metadata.update(_metadata_numbers(dict(sorted(self.numbers().items()))))  # in the order the plots show
+        return metadata
 
     def verdict_metadata(self) -> dict[str, dg.MetadataValue]:
-        """What the check's verdict rests on: the problem shards first, then the counts behind them."""
+        """What the checks' verdicts rest on: the problem shards (a table), then the counts behind them."""
         rows = [
-            dg.TableRecord({"shard": rel, "problem": f"{check} failed"})
-            for check, shards in sorted(self.failed.items())
+            dg.TableRecord({"shard": rel, "problem": f"{self.dataset}/{check} failed"})
+            for check, shards in sorted((c.split("/", 1)[1], s) for c, s in self.failed.items())
             for rel in shards[:LISTED]
         ]
         rows += [
@@ -372,65 +534,50 @@ class DatasetAudit:
             dg.TableRecord({"shard": rel, "problem": "removed from main, outputs kept"})
             for rel in self.orphans[:LISTED]
         ]
+        rows += [dg.TableRecord({"shard": rel, "problem": "not a shard of main"}) for rel in self.foreign[:LISTED]]
         schema = dg.TableSchema(columns=[dg.TableColumn("shard", "string"), dg.TableColumn("problem", "string")])
-        numbers = {
-            "orphaned_shards": len(self.orphans),
-            "failed_shards": len(self.failed_shards),
-            "changed_on_storage_shards": len(self.changed),
-            "crop_bbox_missing": len(self.crop_missing),
-            "crop_bbox_stale": len(self.crop_stale),
-            "shards": self.shards,
-            **{f"{r}_not_verified_shards": len(self.not_verified.get(r, [])) for r in RESOLUTION_NAMES},
-        }
+        numbers = {name: value for name, value in self.numbers().items() if name.startswith(("1.", "2."))}
         return {
-            "problem_shards": dg.MetadataValue.table(rows, schema=schema),
-            **{name: dg.MetadataValue.int(n) for name, n in numbers.items()},
-            "under_way": dg.MetadataValue.text(self.under_way or "nothing"),
+            "0. problem shards": dg.MetadataValue.table(rows, schema=schema),
+            "0. under way": dg.MetadataValue.text(self.under_way or "nothing"),
+            **_metadata_numbers(numbers),
         }
 
-    def metadata(self) -> dict[str, dg.MetadataValue]:
-        """Every count as a plain number (shown inline, plotted across materializations)."""
-        numbers: dict[str, int] = {
-            "shards": self.shards,
-            "main_rows": self.main_rows,
-            "main_bytes": self.main_bytes,
-            "crop_bbox_shards": self.crop_shards,
-            "failed_shards": len(self.failed_shards),
-            "changed_on_storage_shards": len(self.changed),
-            "crop_bbox_missing": len(self.crop_missing),
-            "crop_bbox_stale": len(self.crop_stale),
-            "orphaned_shards": len(self.orphans),
-        }
-        for r in RESOLUTION_NAMES:
-            numbers[f"{r}_shards"] = self.built.get(r, 0)
-            numbers[f"{r}_bytes"] = self.output_bytes.get(r, 0)
-            numbers[f"{r}_verified_shards"] = self.verified.get(r, 0)
-            numbers[f"{r}_not_verified_shards"] = len(self.not_verified.get(r, []))
-            numbers[f"{r}_valid_rows"] = self.valid.get(r, 0)
-            numbers[f"{r}_invalid_rows"] = self.invalid.get(r, 0)
-            for code in ERROR_CODES:
-                numbers[f"{r}_invalid_{code}"] = self.errors.get(r, Counter()).get(code, 0)
-        metadata: dict[str, dg.MetadataValue] = {name: dg.MetadataValue.int(n) for name, n in numbers.items()}
-        for r in RESOLUTION_NAMES:
-            metadata.update(self.fidelity_metadata(r))
-        return metadata
 
-    def fidelity_metadata(self, resolution: str) -> dict[str, dg.MetadataValue]:
-        """Fidelity over the dataset's latest verifications: rows compared and failing, rows per score
-        bin, the lowest score and the median of the shards' median scores (numbers a plot draws)."""
-        found = self.fidelity.get(resolution) or {"checked": 0, "failing": 0, "bins": {}, "min": None, "medians": []}
-        prefix = f"{resolution}_fidelity"
-        metadata: dict[str, dg.MetadataValue] = {
-            f"{prefix}_rows_checked": dg.MetadataValue.int(found["checked"]),
-            f"{prefix}_failing_rows": dg.MetadataValue.int(found["failing"]),
-            **{f"{prefix}_score_{bin}": dg.MetadataValue.int(found["bins"].get(bin, 0)) for bin in SCORE_BINS},
-        }
-        lowest, medians = found["min"], found["medians"]
-        metadata[f"{prefix}_min_score"] = dg.MetadataValue.null() if lowest is None else dg.MetadataValue.float(lowest)
-        metadata[f"{prefix}_median_score"] = (
-            dg.MetadataValue.float(round(statistics.median(medians), 2)) if medians else dg.MetadataValue.null()
-        )
-        return metadata
+def rows_label(resolution: str, what: str) -> str:
+    """The audit's number of rows of one resolution: "valid", "invalid", "invalid <error code>"."""
+    return f"4. rows {resolution}: {what}"
+
+
+def _metadata_numbers(numbers: dict[str, int | float | None]) -> dict[str, dg.MetadataValue]:
+    return {
+        name: dg.MetadataValue.null()
+        if value is None
+        else dg.MetadataValue.int(value)
+        if isinstance(value, int)
+        else dg.MetadataValue.float(value)
+        for name, value in numbers.items()
+    }
+
+
+def _coverage(found: dict[str, Any]) -> float | None:
+    """The share of comparable rows ever compared on the current bytes, in percent (None: nothing known)."""
+    comparable = found.get("comparable", 0)
+    return round(100 * found.get("ever", 0) / comparable, 1) if comparable else None
+
+
+def _megabytes(size: int) -> float:
+    return round(size / 1e6, 3)
+
+
+def _size(size: int) -> str:
+    """Bytes in the largest decimal unit below them: 3.4 MB (what `aws s3 ls --human-readable` would show, in SI)."""
+    value, unit = float(size), "bytes"
+    for next_unit in ("kB", "MB", "GB", "TB", "PB"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, next_unit
+    return f"{size} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 def evaluate(
@@ -450,13 +597,22 @@ def evaluate(
     audit.orphans = sorted(rel for rel, shard_ledger in ledgers.items() if shard_ledger.removed)
     removed = set(audit.orphans)
     partitions = [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in removed]
+    # A partition main never had (nothing recorded it on main): added by hand; not a shard.
+    audit.foreign = sorted(
+        rel for rel in partitions if (ledgers.get(rel) or ShardLedger(rel)).latest(ledger.MAIN) is None
+    )
+    foreign = set(audit.foreign)
+    partitions = [rel for rel in partitions if rel not in foreign]
     audit.shards = len(partitions)
     for resolution in RESOLUTION_NAMES:
         audit.built[resolution] = audit.output_bytes[resolution] = audit.verified[resolution] = 0
         audit.valid[resolution] = audit.invalid[resolution] = 0
         audit.errors[resolution] = Counter()
         audit.not_verified[resolution] = []
-        audit.fidelity[resolution] = {"checked": 0, "failing": 0, "bins": Counter(), "min": None, "medians": []}
+        audit.fidelity[resolution] = {
+            "checked": 0, "failing": 0, "bins": Counter(), "min": None, "medians": [],
+            "comparable": 0, "ever": 0, "oldest": None,
+        }  # fmt: skip
     for rel in partitions:
         shard, shard_ledger = state.shards.get(rel, {}), ledgers.get(rel) or ShardLedger(rel)
         rows, size = shard.get("main", [0, 0])
@@ -505,13 +661,20 @@ def _add_fidelity(total: dict[str, Any], shard: dict[str, Any] | None) -> None:
         total["min"] = shard["min"] if total["min"] is None else min(total["min"], shard["min"])
     if shard["median"] is not None:
         total["medians"].append(shard["median"])
+    comparable, ever, since = shard.get("comparable", 0), shard.get("ever", 0), shard.get("since")
+    total["comparable"] += comparable
+    total["ever"] += min(ever, comparable)
+    if ever < comparable and since is not None:
+        total["oldest"] = since if total["oldest"] is None else min(total["oldest"], since)
 
 
 def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str | None) -> str | None:
     """What of the dataset is still running: unfinished runs (by the dataset tag, the audit's own run
     aside) or backfills."""
     filters = dg.RunsFilter(statuses=UNFINISHED_RUNS, tags={DATASET_TAG: keys.dataset})
-    runs = len([run_id for run_id in instance.get_run_ids(filters, limit=1000) if run_id != own_run_id])
+    runs = len([
+        run for run in instance.get_runs(filters, limit=1000) if run.run_id != own_run_id and not is_audit_run(run, keys)
+    ])  # fmt: skip
     backfills = [
         backfill
         for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED]))
@@ -520,6 +683,12 @@ def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str 
     if not runs and not backfills:
         return None
     return f"{runs} run(s) queued or running, {len(backfills)} backfill(s) in progress"
+
+
+def is_audit_run(run: dg.DagsterRun, keys: DatasetKeys) -> bool:
+    """Whether `run` only audits the dataset (its audit job, or the audit asset materialised alone): no
+    work on shards, never "under way"."""
+    return run.job_name == keys.audit_job or set(run.asset_selection or ()) == {keys.audit}
 
 
 def _targets(backfill, keys: DatasetKeys) -> bool:

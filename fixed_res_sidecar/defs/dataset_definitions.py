@@ -2,8 +2,9 @@
 
 Per dataset (see `dataset_definitions`): its assets and checks, one shard job (what the
 discovery sensor requests and what a UI backfill of the job runs, one run per batch of up to
-`shards_per_run` shards), the
-audit job and its hourly schedule, the discovery sensor and the automation sensor.
+`shards_per_run` shards), the audit job with its schedule and its run-status sensor
+(defs/audit_triggers.py), the fidelity sweep (defs/fidelity_sweep.py), the discovery sensor and the
+automation sensor.
 Everything runs in process: shard steps are few and sequential, and on small machines the
 multiprocess executor costs seconds per step.
 """
@@ -11,14 +12,14 @@ multiprocess executor costs seconds per step.
 import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
+from fixed_res_sidecar.defs.audit_triggers import audit_after_runs_sensor, audit_run_tags, audit_schedule
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
+from fixed_res_sidecar.defs.fidelity_sweep import fidelity_sweep_schedule
 from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
 from fixed_res_sidecar.defs.resources import default_resources
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.defs.sensors import automation_sensor, discovery_sensor
-
-AUDIT_CRON = "0 * * * *"  # hourly; the audit reads only the events recorded since its last run
 
 
 def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:
@@ -44,20 +45,18 @@ def dataset_definitions(dataset: DatasetConfig) -> dg.Definitions:
         keys.audit_job,
         selection=dg.AssetSelection.assets(keys.audit),
         executor_def=dg.in_process_executor,
-        tags=dataset_run_tags(dataset),
-        description=f"The dataset audit of {dataset.name}: totals, failed shards, missing crop_bbox shards.",
-    )
-    audit_schedule = dg.ScheduleDefinition(
-        name=f"{dataset.name}__audit_hourly",
-        job=audit_job,
-        cron_schedule=AUDIT_CRON,
-        default_status=dg.DefaultScheduleStatus.RUNNING,
+        # Not the dataset's tag: an audit is not held back by the dataset's run limit (defs/audit_triggers.py).
+        tags=audit_run_tags(),
+        description=(
+            f"The dataset audit of {dataset.name}: the verdict, failed shards and their repair, totals, fidelity. "
+            "It runs after every run of the dataset that ends and on its schedule."
+        ),
     )
     return dg.Definitions(
         assets=dataset_assets(dataset, partitions),
         jobs=[shard_job, audit_job],
-        schedules=[audit_schedule],
-        sensors=[discovery_sensor(dataset), automation_sensor(dataset)],
+        schedules=[audit_schedule(dataset, audit_job), fidelity_sweep_schedule(dataset)],
+        sensors=[discovery_sensor(dataset), automation_sensor(dataset), audit_after_runs_sensor(dataset)],
     )
 
 

@@ -52,6 +52,10 @@ RESTATED_FROM_RUN = "restated_from_run"
 RESTATED_FROM_ID = "restated_from_id"
 # main's observation of a shard a complete listing no longer has (discovery).
 REMOVED = "removed"
+# A verifier's or crop_bbox's observation of a verification that failed (it is not materialised).
+FAILED_VERIFICATION = "verification_failed"
+# Assets whose failed verifications are observations (ledger names).
+VERIFIED_ASSETS = (*(ledger.verifier(r) for r in RESOLUTION_NAMES), ledger.CROP_BBOX)
 
 
 class EventLogUnavailable(StorageError):
@@ -272,7 +276,12 @@ def read_ledgers(instance: dg.DagsterInstance, keys: DatasetKeys, rels: Sequence
             if info is None or check_key.asset_key.path[-1] not in materializations:
                 continue  # never ran, or nothing it could have passed on
             results[name] = latest_result(instance, check_key, rel)
-        ledgers[rel] = ledger.ShardLedger(rel, materializations, results, _removed_at(instance, keys, rel))
+        failures = {
+            name: failure
+            for name in VERIFIED_ASSETS
+            if (failure := _latest_failed_verification(instance, assets[name], rel)) is not None
+        }
+        ledgers[rel] = ledger.ShardLedger(rel, materializations, results, _removed_at(instance, keys, rel), failures)
     return ledgers
 
 
@@ -285,6 +294,25 @@ def _removed_at(instance: dg.DagsterInstance, keys: DatasetKeys, rel: str) -> in
         instance.fetch_observations, dg.AssetRecordsFilter(asset_key=keys.main, asset_partitions=[rel]), limit=1
     )
     return next((record.storage_id for record in observations.records if is_removal(record)), None)
+
+
+def _latest_failed_verification(
+    instance: dg.DagsterInstance, key: dg.AssetKey, rel: str
+) -> ledger.Materialization | None:
+    """The latest observation of `key` for shard `rel` recording a failed verification, among its few
+    latest observations (a refused crop_bbox is observed too)."""
+    observations = storage_call(
+        instance.fetch_observations, dg.AssetRecordsFilter(asset_key=key, asset_partitions=[rel]), limit=5
+    )
+    record = next((r for r in observations.records if is_failed_verification(r)), None)
+    return ledger.Materialization(record.storage_id, record.run_id) if record is not None else None
+
+
+def is_failed_verification(record: dg.EventLogRecord) -> bool:
+    """Whether an observation records a verification that failed (defs/assets.py `failed_verification`)."""
+    observation = record.asset_observation
+    value = observation.metadata.get(FAILED_VERIFICATION) if observation is not None else None
+    return bool(value is not None and value.value)
 
 
 def is_removal(record: dg.EventLogRecord) -> bool:

@@ -12,11 +12,18 @@ stated here once:
 - crop current: both resolutions verified, crop_bbox materialised after both verifications, and
   every sidecar check passed on it;
 - failed: a check whose latest result failed;
+- failed on its current bytes: the latest verification of an output (a verifier's, or crop_bbox's own
+  checks) failed after the output was built: verifying the same bytes again can only fail again, so
+  the next run that builds the shard rebuilds that output (`Decision.rebuild`);
 - removed: main's latest word on the shard is that a complete listing no longer has it;
 - changed on storage: an output verified (or a crop current) that storage no longer holds, or holds
   as another object than the one its checks passed on;
 - stale: main's shard changed since the resized outputs were built from it;
 - a run's decision per shard: build, restate, skip or refuse, with the reason in plain words.
+
+A failed verification is recorded as an observation of its asset, not a materialization (the asset
+then reads Failed in every view, like any asset whose run failed): the ledger keeps the latest one
+per asset (`failed_verifications`).
 """
 
 from collections.abc import Mapping, Sequence
@@ -126,6 +133,9 @@ class Decision:
     # the resolutions the run does not verify (empty: verified on record; the run's own reports gate the
     # others). None when the run verifies both itself, or does not crop.
     gate: tuple[str, ...] | None = None
+    # Outputs to build again although they look up to date ("512", "1024", "crop_bbox"): their latest
+    # verification failed on the bytes they hold now.
+    rebuild: tuple[str, ...] = ()
 
 
 class OutputCheck(Protocol):
@@ -161,6 +171,8 @@ class ShardLedger:
     materializations: Mapping[str, Materialization] = field(default_factory=dict)  # asset name -> latest
     checks: Mapping[str, CheckRecord] = field(default_factory=dict)  # "verify_512:keys_match" -> latest
     removed_at: int | None = None  # storage id of main's latest "removed" observation
+    # asset name ("verify_512", "crop_bbox") -> the latest observation recording that its verification failed
+    failed_verifications: Mapping[str, Materialization] = field(default_factory=dict)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -220,11 +232,37 @@ class ShardLedger:
         """Why the checks of `asset` did not all pass on its latest materialization; None when they did."""
         for name in CHECKS[asset]:
             record = self.check(asset, name)
+            if record.state is CheckState.FAILED:
+                return f"{_subject(asset)} failed {name} ({self._failure_run(asset) or materialization.described()})"
             if record.state is not CheckState.PASSED:
-                return f"{asset}:{name} {record.state.value} ({materialization.described()})"
+                return f"{_subject(asset)} did not finish {name}: {record.state.value} ({materialization.described()})"
             if not record.evaluated(materialization):
-                return f"{asset}:{name} passed on an older {asset}, not on its latest ({materialization.described()})"
+                return f"{_subject(asset)} passed {name} on an earlier output, not on its latest ({materialization.described()})"
         return None
+
+    def _failure_run(self, asset: str) -> str | None:
+        failure = self.failed_verifications.get(asset)
+        return failure.described() if failure is not None else None
+
+    def failed_since_built(self, output: str) -> str | None:
+        """Why `output` ("512", "1024" or "crop_bbox") must be built again although it may look up to
+        date: its latest verification failed after it was built, on the bytes it holds now (verifying
+        them again can only fail again). None when it did not."""
+        asset = CROP_BBOX if output == CROP_BBOX else verifier(output)
+        failure = self.failed_verifications.get(asset)
+        if failure is None:
+            return None
+        verified = self.latest(asset)
+        if verified is not None and verified.storage_id > failure.storage_id:
+            return None  # verified again since, and passed
+        failed = ", ".join(name.split(":", 1)[1] for name in self.failed_checks() if name.startswith(f"{asset}:"))
+        what = f"failed {failed}" if failed else "failed"
+        if output == CROP_BBOX:
+            return f"its crop_bbox {what} when it was last built ({failure.described()})"
+        built = self.latest(resized(output))
+        if built is None or failure.storage_id < built.order:
+            return None  # the failure is about an earlier build of it
+        return f"its {output} output {what} when it was verified ({failure.described()}) after it was built ({built.described()})"
 
     def gate(self, verified_now: Sequence[str] = ()) -> tuple[str, ...]:
         """Why crop_bbox must not be built from what is on record (SPEC 7's gate); empty when both
@@ -296,18 +334,36 @@ class ShardLedger:
             *([CROP_BBOX] if stages.crop else []),
         ]
 
-    def decide(self, stages: Stages, skip_existing: bool, outputs: OutputCheck, in_main: bool = True) -> Decision:
+    def decide(
+        self, stages: Stages, skip_existing: bool, outputs: OutputCheck, in_main: bool = True, sweep: bool = False
+    ) -> Decision:
         """What a run selecting `stages` does with this shard, and why.
 
-        Restated only when every selected result is on record and passed on the latest
-        materializations (in build order), the outputs are still the objects that were checked
-        (`outputs.changed`), and they are up to date (`outputs.outdated`): storage is asked only then.
+        An output whose latest verification failed on its current bytes is built again (`rebuild`)
+        when the run builds it. Restated only when every selected result is on record and passed on
+        the latest materializations (in build order), the outputs are still the objects that were
+        checked (`outputs.changed`), and they are up to date (`outputs.outdated`): storage is asked
+        only then. `sweep`: a fidelity sweep, whose verifications compare rows not compared before.
         """
         gate = self.gate(stages.verify) if stages.crop and set(stages.verify) != set(RESOLUTION_NAMES) else None
         if not in_main:
-            return Decision(Action.SKIP, "skipped: no longer in the main dataset; its outputs are kept")
+            return Decision(Action.SKIP, "skipped: not a shard of the main dataset (any more); its outputs are kept")
         if not (stages.resize or stages.verify) and gate:
             return Decision(Action.REFUSE, f"refused: crop_bbox is gated on the verifiers: {'; '.join(gate)}", gate)
+        failed = {o: why for o in (*RESOLUTION_NAMES, CROP_BBOX) if (why := self.failed_since_built(o))}
+        rebuild = tuple(o for o in (*stages.resize, *([CROP_BBOX] if stages.crop else [])) if o in failed)
+        if rebuild:
+            reason = "; ".join(failed[o] for o in rebuild)
+            return Decision(Action.BUILD, f"to build again: {reason}", gate, rebuild)
+        if failed and (stale := [o for o in failed if o in stages.verify]):
+            output = stale[0]
+            reason = (
+                f"{failed[output]}; this run does not build it, so it is verified again as it is "
+                f"(run the shard's job to rebuild it)"
+            )
+            return Decision(Action.BUILD, f"to verify again: {reason}", gate)
+        if sweep and stages.verify:
+            return Decision(Action.BUILD, "fidelity sweep: its verification compares rows not compared before", gate)
         build = self._why_build(stages, skip_existing)
         if build is None:
             changed = outputs.changed(self.verified_fingerprints(stages))
@@ -348,6 +404,13 @@ class ShardLedger:
     def with_check(self, name: str, record: CheckRecord) -> "ShardLedger":
         return replace(self, checks={**self.checks, name: record})
 
+    def with_failed_verification(self, asset: str, observation: Materialization) -> "ShardLedger":
+        """This ledger with `observation` as the latest failed verification of `asset`, unless it holds a newer one."""
+        held = self.failed_verifications.get(asset)
+        if held is not None and held.storage_id >= observation.storage_id:
+            return self
+        return replace(self, failed_verifications={**self.failed_verifications, asset: observation})
+
     def with_removal(self, storage_id: int) -> "ShardLedger":
         if self.removed_at is not None and self.removed_at >= storage_id:
             return self
@@ -365,6 +428,8 @@ class ShardLedger:
         }
         if self.removed_at is not None:
             value["r"] = self.removed_at
+        if self.failed_verifications:
+            value["f"] = {name: [m.storage_id, m.run_id] for name, m in self.failed_verifications.items()}
         return value
 
     @classmethod
@@ -377,7 +442,13 @@ class ShardLedger:
                 for name, (s, target, event) in value.get("c", {}).items()
             },
             value.get("r"),
+            {name: Materialization(storage_id, run_id) for name, (storage_id, run_id) in value.get("f", {}).items()},
         )
+
+
+def _subject(asset: str) -> str:
+    """An asset's verification in words: "its 512 verification", "its crop_bbox"."""
+    return f"its {asset.removeprefix('verify_')} verification" if asset.startswith("verify_") else f"its {asset}"
 
 
 def _named(outputs: Sequence[str]) -> str:

@@ -15,9 +15,9 @@ from fixed_res_sidecar.core import resolutions
 # Run tag that names the dataset: dagster.yaml limits concurrent runs per unique value.
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG  # noqa: F401 (re-exported)
 
-# A run (or backfill) with this tag set to "true" rebuilds the shards whose last verifier report failed
-# them, although skip-existing finds their footers up to date (e.g. pictures that failed fidelity).
-REBUILD_FAILED_TAG = "sidecar/rebuild_failed"
+# A run of the fidelity sweep (defs/fidelity_sweep.py) carries this tag set to "true": its shards are
+# verified again although their results are on record, each comparing rows not compared before.
+SWEEP_TAG = "sidecar/fidelity_sweep"
 
 # The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
 # one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).
@@ -89,6 +89,20 @@ class DatasetKeys:
     @property
     def audit_job(self) -> str:
         return f"{self.dataset}__dataset_audit"
+
+    @property
+    def audit_schedule(self) -> str:
+        return f"{self.dataset}__audit_hourly"
+
+    @property
+    def audit_sensor(self) -> str:
+        """Audits the dataset after its runs end (defs/audit_triggers.py)."""
+        return f"{self.dataset}__audit_after_runs"
+
+    @property
+    def fidelity_sweep(self) -> str:
+        """The schedule that verifies shards again, comparing rows not compared before (off by default)."""
+        return f"{self.dataset}__fidelity_sweep"
 
     @property
     def dataset_audit(self) -> dg.AssetCheckKey:

@@ -6,7 +6,8 @@ which carries none; nothing in a code location can add run tags to it. Every lau
 (the UI, asset and job backfills, sensors, automation, retries) submits its runs through the
 instance's run coordinator, so that is where the tag is added: the per-dataset concurrency
 limit in dagster.yaml then counts every run, and the dataset audit sees every run as work
-under way. Configure it in dagster.yaml:
+under way. Runs that only audit a dataset are left untagged: they are not work on its shards, and
+must not wait behind its limit (the audit follows every run within a minute). Configure it in dagster.yaml:
 
     run_coordinator:
       module: fixed_res_sidecar.defs.run_coordinator
@@ -28,6 +29,7 @@ import functools
 import dagster as dg
 
 from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG, RETRY_NUMBER_TAG
+from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.run_resources import DATASET_TAG, dataset_run_tags
 
 
@@ -67,7 +69,8 @@ class DatasetRunCoordinator(dg.QueuedRunCoordinator):
 
 
 def tags_for(run: dg.DagsterRun) -> dict[str, str]:
-    """The tags a run of one dataset should carry; empty when the run is not one dataset's."""
+    """The tags a run of one dataset should carry; empty when the run is not one dataset's, or only
+    audits it (a light run that must not wait behind the dataset's own limit: defs/audit_triggers.py)."""
     keys = [*(run.asset_selection or ()), *(check.asset_key for check in run.asset_check_selection or ())]
     names = {key.path[0] for key in keys if len(key.path) == 2}
     if not keys and "__" in run.job_name and not run.job_name.startswith("__"):
@@ -75,6 +78,9 @@ def tags_for(run: dg.DagsterRun) -> dict[str, str]:
     if len(names) != 1:
         return {}
     (name,) = names
+    audit = DatasetKeys(name)
+    if run.job_name == audit.audit_job or (keys and all(key == audit.audit for key in keys)):
+        return {}
     dataset = _datasets().get(name)
     if dataset is None:  # no datasets file here, or not one of its datasets: the dataset tag alone
         return {DATASET_TAG: name} if keys and all(len(key.path) == 2 for key in keys) else {}

@@ -296,6 +296,10 @@ def discovery_tick(
             f"{len(found.new)} new, {len(found.changed)} changed, {len(found.removed)} removed shard(s) under "
             f"{dataset.main.uri}{again}"
         )
+        if found.removed:  # named: the operator needs to know which, not how many
+            log.warning(f"removed from {dataset.main.uri} (partitions retired, outputs kept): {_named(found.removed)}")
+        if found.changed:
+            log.info(f"changed (to be rebuilt): {_named(found.changed)}")
     found.cursor.tick = max(position.tick, pending.get("tick", 0)) + 1
     # Kept first: whatever fails from here on, the next tick requests these shards again.
     history.save_json(
@@ -306,6 +310,11 @@ def discovery_tick(
     return dg.SensorResult(
         run_requests=shard_run_requests(dataset, requested, [*known, *found.new]), cursor=found.cursor.to_json()
     )
+
+
+def _named(rels: list[str]) -> str:
+    shown = ", ".join(rels[:REFUSED_LOGGED])
+    return shown + (f", ... and {len(rels) - REFUSED_LOGGED} more" if len(rels) > REFUSED_LOGGED else "")
 
 
 def load_seen(instance: dg.DagsterInstance, dataset: str) -> dict[str, list]:

@@ -24,10 +24,9 @@ from fixed_res_sidecar.shards.verify import (
     ShardReport,
     SharedRenders,
     VerifyOptions,
-    failed_outputs,
     load_report,
+    previous_coverage,
     report_rel,
-    still_failed,
     verify_crop_bbox_shard,
     verify_resized_shard,
     write_fidelity_pictures,
@@ -54,9 +53,6 @@ class PipelineOptions:
     skip_existing: bool = True
     overlay_sample: int = 0  # overlay pictures per shard; 0 draws none
     memory_gb: float = DEFAULT_TASK_MEMORY_GB  # memory of the task building one shard
-    # Rebuild resized shards whose last verifier report failed them, even when skip-existing finds them
-    # up to date (their footer is fine, their pictures may not be): a run told to repair failed shards.
-    rebuild_failed: bool = False
 
 
 @dataclass
@@ -78,6 +74,8 @@ class ShardOutcome:
     fidelity_pictures: dict[str, list[str] | str] = field(default_factory=dict)
     # output name ("resized_512", "crop_bbox") -> its fingerprint when it was verified here
     fingerprints: dict[str, str | None] = field(default_factory=dict)
+    # "512", "1024", "crop_bbox" -> CPU seconds its verification took (what the fidelity sweep budgets)
+    verify_cpu_seconds: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
 
     def problems(self) -> list[str]:
@@ -102,12 +100,14 @@ def run_stages(
     stages: Stages,
     options: PipelineOptions = PipelineOptions(),
     recorded_gate_problems: list[str] | None = None,
+    rebuild: tuple[str, ...] = (),
 ) -> ShardOutcome:
     """Run `stages` for shard `rel`.
 
     The crop stage is gated (SPEC 7): on this run's verifier reports for the resolutions verified here,
     and on `recorded_gate_problems` for the others (what the caller knows from earlier runs; None when
-    it knows nothing, which refuses).
+    it knows nothing, which refuses). `rebuild`: outputs ("512", "1024", "crop_bbox")
+    built again even when skip-existing finds them up to date (their latest verification failed).
     """
     started = time.monotonic()
     check_output_names(layout, rel, stages)
@@ -120,7 +120,7 @@ def run_stages(
                 targets=ResizeTargets(
                     resolutions=stages.resize,
                     skip_existing=options.skip_existing,
-                    rebuild=failed_on_record(layout, rel, stages.resize) if options.rebuild_failed else (),
+                    rebuild=tuple(r for r in stages.resize if r in rebuild),
                 ),
                 options=options.pixels,
                 threads=options.threads,
@@ -131,14 +131,17 @@ def run_stages(
     shared = SharedRenders()  # the fidelity checks of both resolutions render each source once
     for resolution in stages.verify:
         outcome.fingerprints[f"resized_{resolution}"] = layout.resized[resolution].location.fingerprint(rel)
-        report = verify_resized_shard(layout, rel, resolution, options.verify, shared)
-        outcome.reports[resolution] = report
         reports = layout.report_location(f"resized_{resolution}")
+        previous = previous_coverage(_previous_report(reports, rel))  # its fidelity check continues from it
+        cpu = time.process_time()
+        report = verify_resized_shard(layout, rel, resolution, options.verify, shared, previous)
+        outcome.verify_cpu_seconds[resolution] = time.process_time() - cpu
+        outcome.reports[resolution] = report
         outcome.report_paths[resolution] = reports.child(write_report(reports, rel, report, protect=layout.read_only))
         if not report.check(FIDELITY).passed:
             outcome.fidelity_pictures[resolution] = _fidelity_pictures(layout, rel, resolution, report, options)
     if stages.crop:
-        _crop(layout, rel, stages, options, recorded_gate_problems, outcome)
+        _crop(layout, rel, stages, options, recorded_gate_problems, outcome, "crop_bbox" in rebuild)
     outcome.seconds = time.monotonic() - started
     return outcome
 
@@ -154,20 +157,16 @@ def check_output_names(layout: DatasetLayout, rel: str, stages: Stages) -> None:
         location.check_name(name)
 
 
-def failed_on_record(layout: DatasetLayout, rel: str, resolutions: tuple[str, ...]) -> tuple[str, ...]:
-    """The resolutions of `rel` whose last verifier report (under the layout's reports) failed the
-    output that is still there: a run told to repair failed shards rebuilds them, up to date or not."""
-    if layout.reports is None:
-        return ()
-    failed: dict[str, str | None] = {}
-    for resolution in resolutions:
-        reports, name = layout.report_location(f"resized_{resolution}"), report_rel(rel)
-        if reports.exists(name):
-            try:
-                failed.update(failed_outputs(load_report(reports.read_bytes(name), reports.child(name))))
-            except ReportError:  # an unreadable report says nothing
-                continue
-    return still_failed(layout, rel, failed)
+def _previous_report(reports, rel: str) -> dict | None:
+    """The shard's last report under `reports`, if there is a readable one."""
+    name = report_rel(rel)
+    if not reports.exists(name):
+        return None
+    try:
+        document = load_report(reports.read_bytes(name), reports.child(name))
+    except ReportError:  # an unreadable report says nothing: the rotation starts over
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def _fidelity_pictures(
@@ -183,7 +182,7 @@ def _fidelity_pictures(
         return describe_exception(exc, max_chars=MESSAGE_CHARS)
 
 
-def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome) -> None:
+def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOutcome, rebuild: bool) -> None:
     # This run's own reports gate the resolutions it verified; the record (`recorded_gate_problems`) the others.
     failed_here = [
         f"{report.shard} did not pass the verifier: {', '.join(c.name for c in report.failed_checks)} "
@@ -200,12 +199,14 @@ def _crop(layout, rel, stages, options, recorded_gate_problems, outcome: ShardOu
     if outcome.crop_refused:
         return
     try:
-        outcome.crop = build_crop_bbox_shard(layout, rel, skip_existing=options.skip_existing)
+        outcome.crop = build_crop_bbox_shard(layout, rel, skip_existing=options.skip_existing and not rebuild)
     except ShardError as exc:
         outcome.crop_problem = describe_exception(exc, max_chars=MESSAGE_CHARS)
         return
     outcome.fingerprints["crop_bbox"] = layout.sidecar.fingerprint(rel)
+    cpu = time.process_time()
     outcome.crop_report = verify_crop_bbox_shard(layout, rel, options.verify.sample)
+    outcome.verify_cpu_seconds["crop_bbox"] = time.process_time() - cpu
     reports = layout.report_location("crop_bbox")
     outcome.report_paths["crop_bbox"] = reports.child(
         write_report(reports, rel, outcome.crop_report, protect=layout.read_only)

@@ -71,6 +71,8 @@ def audited_demo(tmp_path_factory) -> Path:
     """A demo work dir whose shard DAMAGED failed its verifier; the audit ran afterwards."""
     workdir = tmp_path_factory.mktemp("ui") / "sidecar-demo"
     previous = os.environ.pop("DAGSTER_HOME", None)
+    state = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(workdir.parent / "state")  # the demo's record of itself stays here
     try:
         summary = demo.run_demo(workdir, shards=2, rows_per_shard=6, say=lambda _: None)
         assert summary.ok, demo.format_summary(summary)
@@ -85,6 +87,10 @@ def audited_demo(tmp_path_factory) -> Path:
     finally:
         if previous is not None:
             os.environ["DAGSTER_HOME"] = previous
+        if state is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = state
     return workdir
 
 
@@ -167,8 +173,9 @@ def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
 
     page.open("/assets/sample/audit?view=checks", "dataset_audit")
     expected = [
-        f"sample/verify_512:keys_match FAILED on 1 shard(s): {DAMAGED}",  # the failing shard, by name
-        "sample FAILED: 2 shards, 2 with crop_bbox; 512: 10 valid, 2 invalid",  # the totals
+        "sample FAILED: 1 of 2 shard(s) failed a check",  # the verdict first
+        f"{DAMAGED}: verify_512:keys_match",  # the failing shard, by name (a link to its page)
+        "512: 2 built, 1 verified, 10 valid + 2 invalid rows",  # the totals
     ]
     text = page.text_when(expected, timeout=30)  # the page fills in as its queries answer
     for line in expected:
@@ -183,9 +190,11 @@ def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
     assert width >= 600
     page.shot("crop-bbox-overlay")
 
-    # Launched from the asset page: the run carries the dataset tag (DatasetRunCoordinator).
-    page.open("/assets/sample/audit", "Materialize")
+    # Launched from an asset page: the run carries the dataset tag (DatasetRunCoordinator). (An audit run does
+    # not: it is not work on the shards, and must not wait behind the dataset's run limit.)
+    page.open("/assets/sample/crop_bbox?partition=part-00000.parquet", "Materialize")
     page.page.get_by_role("button", name="Materialize").first.click()
+    page.page.get_by_role("button", name="Launch 1 run").click()
     with dg.DagsterInstance.from_config(str(workdir / "dagster_home")) as instance:
         deadline = time.monotonic() + 60
         runs = []
@@ -256,7 +265,8 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     assert shards_with_status(page, check_partitions("keys_match"), "check", "Failed", shards) == [DAMAGED]
     assert shards_with_status(page, check_partitions("keys_match"), "check", "Passed", shards) == [shards[0]]
     assert shards_with_status(page, "/assets/sample/crop_bbox?view=partitions", "asset", "Failed", shards) == [DAMAGED]
-    assert shards_with_status(page, "/assets/sample/verify_512?view=partitions", "asset", "Failed", shards) == []
+    # Its verification failed: not materialised, so its verifier reads Failed too (one thing about the shard).
+    assert shards_with_status(page, "/assets/sample/verify_512?view=partitions", "asset", "Failed", shards) == [DAMAGED]
     assert shards_with_status(
         page, check_partitions("boxes_valid", "crop_bbox"), "check", "Execution Failed", shards
     ) == [DAMAGED]
@@ -290,3 +300,28 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     text = page.text_when(["dataset_audit\nSucceeded", "dataset_complete\nSucceeded"], timeout=30)
     assert "dataset_audit\nSucceeded" in text and "dataset_complete\nSucceeded" in text, text[-800:]
     page.shot("batch-after-repair")
+
+
+def test_ui_finds_the_demo_run_from_this_folder_into_another_workdir(tmp_path, monkeypatch):
+    """The README: `sidecar-ops demo --workdir D`, then `sidecar-ops ui` from the same folder browses D."""
+    import argparse
+
+    from fixed_res_sidecar.cli import ui as ui_command
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    workdir = elsewhere / "my-demo"
+    workdir.mkdir(parents=True)
+    here.mkdir()
+    (workdir / "datasets.yaml").write_text("datasets: []\n")
+    monkeypatch.chdir(here)
+    args = argparse.Namespace(datasets=None, workdir=None, dagster_home=None)
+    with pytest.raises(ValueError, match="no datasets file"):
+        ui_command.where(args)
+
+    demo.remember_demo(here, workdir, workdir / "dagster_home")
+    assert ui_command.where(args) == (workdir / "datasets.yaml", workdir / "dagster_home")
+    monkeypatch.chdir(elsewhere)  # another folder: not that demo
+    with pytest.raises(ValueError, match="no datasets file"):
+        ui_command.where(args)

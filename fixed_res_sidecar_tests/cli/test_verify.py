@@ -105,6 +105,20 @@ def test_verify_resized_passes_and_writes_the_full_report(paths, tmp_path, capsy
     assert document["dataset"]["main"]["shards"] == 3
 
 
+def test_verify_resized_with_the_same_report_file_compares_rows_not_compared_before(paths, tmp_path, capsys):
+    """Each run reads the previous --report file: its fidelity window follows the one it recorded."""
+    report_file = tmp_path / "512.json"
+    windows = []
+    for _ in range(3):
+        assert run(*resized_args(paths, "512", "--fidelity-sample", "3", "--report", report_file)) == 0
+        document = json.loads(report_file.read_text())
+        windows.append({s["rel"]: s["stats"]["fidelity_coverage"] for s in document["shards"]})
+    capsys.readouterr()
+    for rel, first in windows[0].items():
+        assert [w[rel]["window"] for w in windows] == [0, 1, 2]
+        assert [w[rel]["compared_ever"] for w in windows] == [3, 6, first["comparable"]]  # 8 valid rows: 3+3+2
+
+
 def test_verify_resized_fails_naming_the_damaged_shard(paths, capsys):
     path = paths["1024"] / REL
     table = pq.read_table(path)

@@ -11,7 +11,8 @@ from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
-from fixed_res_sidecar.defs.names import REBUILD_FAILED_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.history import FAILED_VERIFICATION
+from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.shards import verify
@@ -214,7 +215,12 @@ def test_unreadable_main_shard_fails_its_run_naming_it(tmp_path, instance):
     failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
     assert len(failed) == 10 and all(e.partition == "broken.parquet" for e in failed)
     assert all("broken.parquet is not a readable Parquet file" in e.description for e in failed)
-    assert materialized(result) == {KEYS.verify("512"), KEYS.verify("1024")}  # the failed reports, nothing else
+    # The failed verifications are not materialised (their assets read Failed); each is observed with its report.
+    assert materialized(result) == set()
+    assert failed_verifications(result) == {
+        (KEYS.verify("512"), "broken.parquet"),
+        (KEYS.verify("1024"), "broken.parquet"),
+    }
     refusal(result, "broken.parquet")
     assert retried_on_failure(instance, result) == "false"  # the data's failure: a retry would repeat it
 
@@ -224,18 +230,30 @@ def retried_on_failure(instance, result: dg.ExecuteInProcessResult) -> str:
     return instance.get_run_by_id(result.run_id).tags[RETRY_ON_FAILURE_TAG]
 
 
+def observations(result: dg.ExecuteInProcessResult) -> list[dg.AssetObservation]:
+    return [e.asset_observation_data.asset_observation for e in result.get_asset_observation_events()]
+
+
+def failed_verifications(result: dg.ExecuteInProcessResult) -> set[tuple[dg.AssetKey, str | None]]:
+    """(asset, shard) of every verification the run found failed: observed, not materialised."""
+    return {(o.asset_key, o.partition) for o in observations(result) if FAILED_VERIFICATION in o.metadata}
+
+
 def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
     """The reason a crop_bbox run refused shard `rel`: nothing materialised, an observation says why,
-    and the run failed naming the shard (a refusal is never a green run)."""
+    and the run failed naming the shard (a refusal is never a green run), with one message and no
+    stack trace (the data failed, not the code)."""
     assert not result.success
     crops = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
     assert not [m for m in crops if m.asset_key == KEYS.crop_bbox and m.partition == rel]
-    (observation,) = [e.asset_observation_data.asset_observation for e in result.get_asset_observation_events()]
-    assert observation.asset_key == KEYS.crop_bbox and observation.partition == rel
+    (observation,) = [o for o in observations(result) if o.asset_key == KEYS.crop_bbox and o.partition == rel]
     assert observation.metadata["gate"].value == "refused: nothing built"
+    assert observation.metadata["status"].value.startswith("refused by the gate: not rebuilt; ")
+    assert observation.metadata["repair"].value.startswith("/guess/tiny__build_shards?partition=")
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
-    message = failure.event_specific_data.error.message
-    assert f"{rel}: " in message and "crop_bbox refused" in message
+    error = failure.event_specific_data.error
+    assert f"{rel}: " in error.message and "crop_bbox refused" in error.message
+    assert error.stack == [] and error.cls_name == "DataFailure" and error.cause is None
     return observation.description
 
 
@@ -474,13 +492,23 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     batch = run_batch(defs, instance, order[0], order[-1])
     assert not batch.success
     failed = failed_partitions(instance, defs, SHARD_ASSETS)
-    assert failed == {**{k.to_user_string(): set() for k in SHARD_ASSETS}, "tiny/crop_bbox": {damaged}}
+    assert failed == {
+        **{k.to_user_string(): set() for k in SHARD_ASSETS},
+        "tiny/verify_512": {damaged},  # its verification failed: not materialised, so Failed, as its check
+        "tiny/crop_bbox": {damaged},
+    }
     failure = next(e for e in batch.all_events if e.event_type_value == "STEP_FAILURE")
     assert failure.event_specific_data.error.message.startswith(
-        f"dagster._core.definitions.events.Failure: 1 of 4 shard(s) failed: {damaged}: verify_512 failed keys_match"
-    )
+        f"1 of 4 shard(s) failed: {damaged}: verify_512 failed keys_match"
+    )  # the data failed: one message, no class path, no stack trace
+    assert failure.event_specific_data.error.stack == []
     statuses = check_partition_status(instance, ALL_CHECK_KEYS, shards)
     assert {key for key, status in statuses.items() if status == "FAILED"} == {("tiny/verify_512:keys_match", damaged)}
+    # The UI shows that result Failed only when it is about the partition's latest materialization.
+    (info,) = instance.event_log_storage.get_asset_check_partition_info(
+        [dg.AssetCheckKey(KEYS.verify("512"), "keys_match")], partition_keys=[damaged]
+    )
+    assert info.is_current
     assert {key[1] for key, status in statuses.items() if status != "SUCCEEDED"} == {damaged}
     logs = [record.user_message for record in instance.all_logs(batch.run_id)]
     assert not [line for line in logs if "did not yield or return expected outputs" in line]
@@ -494,8 +522,9 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     repaired = run_batch(defs, instance, order[0], order[-1])
     assert repaired.success
     logs = [record.user_message for record in instance.all_logs(repaired.run_id)]
-    assert [line for line in logs if line.startswith(f"{damaged}: to build:")] == [
-        f"{damaged}: to build: verify_512:keys_match failed (run {batch.run_id[:8]})"
+    assert [line for line in logs if line.startswith(f"{damaged}: to build")] == [
+        f"{damaged}: to build again: its 512 output failed keys_match when it was verified (run {batch.run_id[:8]}) "
+        f"after it was built (run {batch.run_id[:8]})"
     ]
     assert failed_partitions(instance, defs, SHARD_ASSETS) == {k.to_user_string(): set() for k in SHARD_ASSETS}
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, shards).values()) == {"SUCCEEDED"}
@@ -552,7 +581,7 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     keys = [f["key"] for f in failing]
     assert keys == [f"{k}" for k in (column(r512, rel, "image_key")[r] for r in rows)]
     assert all(f["score"] < -3 for f in failing)
-    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 1  # overlay_embed: 1
+    assert failed.metadata["pictures"].value.count("data:image/webp;base64,") == 3  # every failing row's, inline
     assert failed.metadata["pictures"].value.count(".png") >= 3
     statuses = check_partition_status(instance, [dg.AssetCheckKey(KEYS.verify("512"), verify.FIDELITY)], [rel, other])
     assert statuses == {
@@ -561,32 +590,31 @@ def test_wrong_pictures_fail_fidelity_gate_the_crop_fail_the_audit_and_a_rerun_r
     }
     # The gate: crop_bbox of that shard is refused (an observation saying why), not materialised.
     assert KEYS.crop_bbox not in materialized(result)
-    (observation,) = [e for e in result.all_events if e.event_type_value == "ASSET_OBSERVATION"]
-    assert "fidelity" in observation.event_specific_data.asset_observation.description
-    verified = metadata_of(result, KEYS.verify("512"))
-    assert verified["fidelity_failing_rows"] == 3 and verified["fidelity_score_below_-3"] == 3
+    (observation,) = [o for o in observations(result) if o.asset_key == KEYS.crop_bbox]
+    assert "fidelity" in (observation.description or "")
+    # The failed verification is observed (its asset reads Failed), with the numbers a materialization would hold.
+    assert failed_verifications(result) == {(KEYS.verify("512"), rel)}
+    (verified,) = [o.metadata for o in observations(result) if o.asset_key == KEYS.verify("512")]
+    assert verified["fidelity_failing_rows"].value == 3 and verified["fidelity_score_below_-3"].value == 3
 
     evaluation, _, audit = run_audit(tiny_defs, instance)
     assert not evaluation.passed and evaluation.severity == dg.AssetCheckSeverity.ERROR
-    assert f"tiny/verify_512:{verify.FIDELITY} FAILED on 1 shard(s): {rel}" in evaluation.description
-    assert audit["512_fidelity_failing_rows"] == 3 and audit["512_fidelity_score_below_-3"] == 3
-    assert audit["512_fidelity_rows_checked"] == 2 * (TINY_ROWS - 1) and audit["512_fidelity_min_score"] < -3
+    assert f"[{rel}](/assets/tiny/verify_512?view=partitions&partition=" in evaluation.description
+    assert f"verify_512:{verify.FIDELITY}" in evaluation.description
+    assert audit["1. fidelity 512: failing rows"] == 3 and audit["3. fidelity 512: rows scoring below -3 dB"] == 3
+    assert audit["3. fidelity 512: rows compared"] == 2 * (TINY_ROWS - 1)
+    assert audit["3. fidelity 512: lowest score (dB)"] < -3
 
-    # A plain rerun keeps the shard (its footer is up to date) and fails again; a run told to repair failed
-    # shards (the tag; a backfill of the failed partitions with it does the same) rebuilds it.
-    assert not run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
-    job = tiny_defs.resolve_job_def("tiny__build_shards")
-    tags = {REBUILD_FAILED_TAG: "true"}
-    repaired = job.execute_in_process(
-        partition_key=rel, instance=instance, raise_on_error=False, run_config=QUIET, tags=tags
-    )
+    # The next run of the shard rebuilds it, although its footer is up to date: its latest verification
+    # failed on the bytes it holds (verifying them again could only fail again). No tag, no option.
+    repaired = run_shard(tiny_defs, instance, "tiny__build_shards", rel)
     assert repaired.success
     assert metadata_of(repaired, KEYS.resized("512"))["status"] == "built"
     assert metadata_of(repaired, KEYS.resized("1024"))["status"] == "skipped"
     assert all(e.passed for e in repaired.get_asset_check_evaluations())
     evaluation, complete, audit = run_audit(tiny_defs, instance)
     assert evaluation.passed and complete.passed, evaluation.description
-    assert audit["512_fidelity_failing_rows"] == 0 and audit["512_fidelity_min_score"] >= -3
+    assert audit["1. fidelity 512: failing rows"] == 0 and audit["3. fidelity 512: lowest score (dB)"] >= -3
 
 
 def test_the_verifier_expects_the_datasets_settings_not_what_a_footer_says(tiny_main, tmp_path, instance):

@@ -239,3 +239,18 @@ def test_a_backfill_request_is_what_the_sensor_daemon_turns_into_an_asset_backfi
     assert {(p.asset_key, p.partition_key) for p in stored.iterate_asset_partitions()} == {
         (key, rel) for key in keys for rel in ("a", "c")
     }
+
+
+def test_a_data_failure_fails_its_step_with_one_message_and_no_stack_trace(instance):
+    @dg.asset
+    def failing() -> None:
+        raise private.DataFailure("2 of 8 shard(s) failed: a.parquet: verify_512 failed keys_match")
+
+    result = dg.materialize([failing], instance=instance, raise_on_error=False)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    error = failure.event_specific_data.error
+    assert error.message == "2 of 8 shard(s) failed: a.parquet: verify_512 failed keys_match"
+    assert error.stack == [] and error.cls_name == "DataFailure" and error.cause is None
+    run = instance.get_run_by_id(result.run_id)
+    assert run is not None and run.status is dg.DagsterRunStatus.FAILURE

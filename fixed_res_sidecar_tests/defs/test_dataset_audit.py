@@ -2,6 +2,7 @@
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import quote
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -16,14 +17,15 @@ KEYS = DatasetKeys("tiny")
 GOOD, BAD = "part-a.parquet", "nested/x/part-b.parquet"
 
 
-def run_audit(defs: dg.Definitions, instance) -> tuple[dg.AssetCheckEvaluation, dg.AssetCheckEvaluation, dict]:
-    """The audit's two verdicts (dataset_audit: failed shards, ERROR; dataset_complete: work left, WARN)
-    and its numbers."""
+def run_audit(defs: dg.Definitions, instance) -> tuple[dg.AssetCheckEvaluation, dg.AssetCheckEvaluation | None, dict]:
+    """The audit's two verdicts (dataset_audit: failed shards, ERROR; dataset_complete: work left, WARN,
+    None while work is under way: not judged) and its metadata."""
     result = defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, raise_on_error=False)
     assert result.success  # the audit's verdict is its checks, not the run
-    audit, complete = sorted(result.get_asset_check_evaluations(), key=lambda e: e.check_name)
-    assert (audit.check_name, audit.severity) == ("dataset_audit", dg.AssetCheckSeverity.ERROR)
-    assert (complete.check_name, complete.severity) == ("dataset_complete", dg.AssetCheckSeverity.WARN)
+    evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    audit, complete = evaluations["dataset_audit"], evaluations.get("dataset_complete")
+    assert audit.severity == dg.AssetCheckSeverity.ERROR
+    assert complete is None or complete.severity == dg.AssetCheckSeverity.WARN
     (materialization,) = result.get_asset_materialization_events()
     metadata = {k: v.value for k, v in materialization.materialization.metadata.items()}
     return audit, complete, metadata
@@ -33,18 +35,28 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     dataset = tiny_config.datasets[0]
     register(instance, tiny_config)
     audit, complete, metadata = run_audit(tiny_defs, instance)
-    assert audit.passed and not complete.passed  # nothing built yet: nothing failed, not complete
-    assert audit.description.startswith("tiny passed") and complete.description.startswith("tiny incomplete")
-    assert metadata["shards"] == 2 and metadata["512_not_verified_shards"] == 2
+    assert audit.passed and complete is not None and not complete.passed  # nothing built: nothing failed, not complete
+    assert audit.description.startswith("**tiny passed") and complete.description.startswith("**tiny incomplete")
+    assert metadata["2. shards"] == 2 and metadata["2. 512: shards not verified yet"] == 2
 
     for rel in (GOOD, BAD):
         assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
     audit, complete, metadata = run_audit(tiny_defs, instance)
-    assert audit.passed and complete.passed, complete.description
-    rows = {r: metadata[f"{r}_valid_rows"] + metadata[f"{r}_invalid_rows"] for r in RESOLUTION_NAMES}
-    assert rows == {"512": 2 * TINY_ROWS, "1024": 2 * TINY_ROWS} and metadata["main_rows"] == 2 * TINY_ROWS
-    assert metadata["512_invalid_rows"] == sum(metadata[f"512_invalid_{c}"] for c in ("missing_image", "decode_error"))
-    assert metadata["crop_bbox_shards"] == 2 and metadata["512_bytes"] > 0 and metadata["main_bytes"] > 0
+    assert complete is not None and audit.passed and complete.passed, complete.description
+    assert metadata["verdict"] == "tiny passed: 2 of 2 shard(s) verified and cropped"
+    rows = {r: metadata[f"4. rows {r}: valid"] + metadata[f"4. rows {r}: invalid"] for r in RESOLUTION_NAMES}
+    assert rows == {"512": 2 * TINY_ROWS, "1024": 2 * TINY_ROWS} and metadata["2. main: rows"] == 2 * TINY_ROWS
+    invalid = [metadata[f"4. rows 512: invalid {c}"] for c in ("missing_image", "decode_error")]
+    assert metadata["4. rows 512: invalid"] == sum(invalid)
+    assert (
+        metadata["2. crop_bbox: shards"] == 2
+        and metadata["2. 512: size (MB)"] > 0
+        and metadata["2. main: size (MB)"] > 0
+    )
+    assert f"main 2 shards, {2 * TINY_ROWS} rows, " in metadata["totals"] and " kB" in metadata["totals"]
+    # Every number sorts after the words, failures first: the UI plots them by name.
+    numbers = [name for name, value in metadata.items() if isinstance(value, int | float) or value is None]
+    assert numbers == sorted(numbers) and numbers[0].startswith("1. ")
 
     # One resized shard loses its key order: its verifier fails, crop_bbox alone is refused.
     swap_two_keys(dataset.output("resized_512"), BAD)
@@ -52,19 +64,26 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     assert not run_shard(
         tiny_defs, instance, "tiny__build_shards", BAD, selection=[KEYS.crop_bbox]
     ).success  # refused: fails
-    audit, _, metadata = run_audit(tiny_defs, instance)
-    assert not audit.passed and audit.description.startswith("tiny FAILED")
-    assert f"tiny/verify_512:keys_match FAILED on 1 shard(s): {BAD}" in audit.description
-    assert metadata["failed_shards"] == 1
-    (problem,) = [r.data for r in audit.metadata["problem_shards"].records]
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert not audit.passed and audit.description.startswith("**tiny FAILED: 1 of 2 shard(s) failed a check")
+    assert complete is not None and not complete.passed  # a failed shard is not a finished one
+    page = f"/assets/tiny/verify_512?view=partitions&partition={quote(BAD, safe='')}"
+    assert f"- [{BAD}]({page}): verify_512:keys_match" in audit.description
+    repair = f"/guess/tiny__build_shards?partition={quote(BAD, safe='')}"
+    assert f"([repair them: run them again]({repair}))" in audit.description
+    # The materialization leads with the verdict, the failing shard's page and the repair.
+    assert list(metadata)[:3] == ["verdict", "repair the failed shards", f"failed: {BAD} (verify_512:keys_match)"]
+    assert metadata["repair the failed shards"] == repair and metadata[f"failed: {BAD} (verify_512:keys_match)"] == page
+    assert metadata["1. failed shards"] == 1
+    (problem,) = [r.data for r in audit.metadata["0. problem shards"].records]
     assert problem == {"shard": BAD, "problem": "tiny/verify_512:keys_match failed"}
 
     # Repaired: the damaged shard is rebuilt and verified, its crop_bbox follows; the audit passes.
     Path(dataset.output("resized_512").child(BAD)).unlink()
     assert run_shard(tiny_defs, instance, "tiny__build_shards", BAD).success
     audit, complete, metadata = run_audit(tiny_defs, instance)
-    assert audit.passed and complete.passed, audit.description
-    assert metadata["failed_shards"] == 0 and metadata["512_verified_shards"] == 2
+    assert complete is not None and audit.passed and complete.passed, audit.description
+    assert metadata["1. failed shards"] == 0 and metadata["2. 512: shards verified"] == 2
 
 
 def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_config, tiny_defs, instance):
@@ -77,12 +96,16 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
     assert not audit.passed
     assert f"1 verified shard(s) without crop_bbox: {BAD}" in audit.description
 
-    # A run of the dataset not finished yet: work is under way, so only a warning.
+    # A run of the dataset not finished yet: work is under way, not a failure; completeness is not judged.
     job = tiny_defs.resolve_job_def("tiny__build_shards")
     instance.create_run_for_job(job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
-    audit, complete, _ = run_audit(tiny_defs, instance)
-    assert audit.passed and not complete.passed
-    assert complete.metadata["under_way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
+    # An audit run waiting to start is not work under way.
+    audit_job = tiny_defs.resolve_job_def(KEYS.audit_job)
+    instance.create_run_for_job(audit_job, tags={DATASET_TAG: "tiny"}, status=dg.DagsterRunStatus.NOT_STARTED)
+    audit, complete, metadata = run_audit(tiny_defs, instance)
+    assert audit.passed and complete is None
+    assert audit.metadata["0. under way"].value == "1 run(s) queued or running, 0 backfill(s) in progress"
+    assert metadata["verdict"].startswith("tiny under way: ")
 
 
 def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, tiny_defs, instance):
@@ -120,11 +143,11 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
     audit, _, metadata = run_audit(tiny_defs, instance)
     assert not audit.passed and audit.description.startswith("tiny FAILED")
     assert "2 shard(s) whose outputs on storage are not what was verified" in audit.description
-    problems = {r.data["shard"]: r.data["problem"] for r in audit.metadata["problem_shards"].records}
+    problems = {r.data["shard"]: r.data["problem"] for r in audit.metadata["0. problem shards"].records}
     assert problems[GOOD].startswith("its 512 output is gone from storage (verified by run ")
     assert problems[BAD].startswith("its crop_bbox on storage is not the object verified by run ")
-    assert metadata["changed_on_storage_shards"] == 2 and metadata["failed_shards"] == 2
-    assert metadata["512_verified_shards"] == 1 and metadata["1024_verified_shards"] == 2
+    assert metadata["1. shards changed on storage since verified"] == 2 and metadata["1. failed shards"] == 2
+    assert metadata["2. 512: shards verified"] == 1 and metadata["2. 1024: shards verified"] == 2
     # The audit from scratch says the same.
     scratch = dataset_audit.AuditState()
     dataset_audit.update_state(instance, KEYS, scratch)
@@ -138,7 +161,7 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
         assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success
     audit, complete, metadata = run_audit(tiny_defs, instance)
     assert audit.passed and complete.passed, audit.description
-    assert metadata["changed_on_storage_shards"] == 0
+    assert metadata["1. shards changed on storage since verified"] == 0
 
 
 def test_after_a_run_is_deleted_the_incremental_audit_equals_one_from_scratch(tiny_config, tiny_defs, instance):

@@ -93,7 +93,25 @@ MAIN_CHANGED = complete(materializations={MAIN: built(60, "", source="v2")})
 def _ledger(value: ShardLedger) -> ShardLedger:
     """Drops the materializations a table row set to None (an asset never materialised)."""
     kept = {name: m for name, m in value.materializations.items() if m is not None}
-    return ShardLedger(value.rel, kept, value.checks, value.removed_at)
+    return ShardLedger(value.rel, kept, value.checks, value.removed_at, value.failed_verifications)
+
+
+# The 512 output (built at 10) failed its verification in a later run (observation 40): it is rebuilt.
+FIDELITY_FAILED = complete(
+    checks={f"{verifier('512')}:fidelity": CheckRecord(CheckState.FAILED, None, 41)},
+    failed_verifications={verifier("512"): built(40, "verify-run")},
+)
+# Its failure was about an earlier build: the output was built again since (50), so it is verified, not rebuilt.
+FAILED_THEN_REBUILT = complete(
+    materializations={resized("512"): built(50, "repair-run")},
+    checks={f"{verifier('512')}:fidelity": CheckRecord(CheckState.FAILED, None, 41)},
+    failed_verifications={verifier("512"): built(40, "verify-run")},
+)
+# crop_bbox (on record: 30) was built again and failed its own checks (observation 45).
+CROP_FAILED = complete(
+    checks={f"{CROP_BBOX}:boxes_valid": CheckRecord(CheckState.FAILED, None, 46)},
+    failed_verifications={CROP_BBOX: built(45, "crop-run")},
+)
 
 
 @pytest.mark.parametrize(
@@ -110,16 +128,21 @@ def _ledger(value: ShardLedger) -> ShardLedger:
         (
             KEYS_FAILED,
             ShardState.FAILED,
-            "verify_512:keys_match failed (run build-ru)",
-            "verify_512:keys_match failed (run build-ru)",
+            "its 512 verification failed keys_match (run build-ru)",
+            "its 512 verification failed keys_match (run build-ru)",
         ),
         (
             PASSED_ON_OLDER,
             ShardState.UNVERIFIED,
             None,
-            "verify_1024:fidelity passed on an older verify_1024, not on its latest (run build-ru)",
+            "its 1024 verification passed fidelity on an earlier output, not on its latest (run build-ru)",
         ),
-        (PLANNED, ShardState.UNVERIFIED, None, "crop_bbox:boxes_valid planned, no result (run build-ru)"),
+        (
+            PLANNED,
+            ShardState.UNVERIFIED,
+            None,
+            "its crop_bbox did not finish boxes_valid: planned, no result (run build-ru)",
+        ),
         (NO_CROP, ShardState.CROP_MISSING, None, "its crop_bbox was never built"),
         (
             VERIFIED_AFTER_CROP,
@@ -195,7 +218,14 @@ def test_a_result_without_a_target_counts_when_recorded_after_the_materializatio
             "to build: its 512 output was built again (run repair-r) after it was verified (run build-ru)",
             0,
         ),
-        (KEYS_FAILED, EVERYTHING, Storage(), Action.BUILD, "to build: verify_512:keys_match failed (run build-ru)", 0),
+        (
+            KEYS_FAILED,
+            EVERYTHING,
+            Storage(),
+            Action.BUILD,
+            "to build: its 512 verification failed keys_match (run build-ru)",
+            0,
+        ),
         (NO_CROP, EVERYTHING, Storage(), Action.BUILD, "to build: its crop_bbox was never built", 0),
         (NO_CROP, VERIFY_BOTH, Storage(), Action.RESTATE, "up to date, results restated (built by run build-ru)", 2),
         (
@@ -246,11 +276,63 @@ def test_a_runs_decision_per_shard(shard, stages, storage, action, reason, asked
     assert len(storage.asked) == asked  # storage is asked only when the record allows a restatement
 
 
+@pytest.mark.parametrize(
+    ("shard", "stages", "action", "rebuild", "reason"),
+    [
+        (
+            FIDELITY_FAILED,
+            EVERYTHING,
+            Action.BUILD,
+            ("512",),
+            "to build again: its 512 output failed fidelity when it was verified (run verify-r) after it was "
+            "built (run build-ru)",
+        ),
+        (
+            FIDELITY_FAILED,
+            VERIFY_BOTH,
+            Action.BUILD,
+            (),
+            "to verify again: its 512 output failed fidelity when it was verified (run verify-r) after it was "
+            "built (run build-ru); this run does not build it, so it is verified again as it is (run the "
+            "shard's job to rebuild it)",
+        ),
+        (
+            FAILED_THEN_REBUILT,
+            EVERYTHING,
+            Action.BUILD,
+            (),
+            "to build: its 512 output was built again (run repair-r) after it was verified (run build-ru)",
+        ),
+        (
+            CROP_FAILED,
+            EVERYTHING,
+            Action.BUILD,
+            ("crop_bbox",),
+            "to build again: its crop_bbox failed boxes_valid when it was last built (run crop-run)",
+        ),
+    ],
+)
+def test_an_output_whose_latest_verification_failed_on_its_bytes_is_built_again(shard, stages, action, rebuild, reason):
+    """Verifying the same bytes again can only fail again: the next run that builds the shard rebuilds the
+    output, though skip-existing finds it up to date; a run that does not build it says how to."""
+    decision = shard.decide(stages, True, Storage())
+    assert (decision.action, decision.rebuild, decision.reason) == (action, rebuild, reason)
+    assert shard.state() is ShardState.FAILED
+
+
+def test_a_fidelity_sweep_verifies_shards_whose_results_are_on_record():
+    storage = Storage()
+    decision = complete().decide(Stages(verify=("512", "1024"), crop=True), True, storage, sweep=True)
+    assert decision.action is Action.BUILD and decision.reason.startswith("fidelity sweep: ")
+    assert storage.asked == []
+    assert complete().decide(VERIFY_BOTH, True, storage).action is Action.RESTATE  # without the sweep
+
+
 def test_skip_existing_off_always_builds_and_a_shard_gone_from_main_is_skipped():
     storage = Storage()
     assert complete().decide(EVERYTHING, False, storage).reason == "to build: skip-existing is off"
     skipped = complete().decide(EVERYTHING, True, storage, in_main=False)
-    assert skipped.action is Action.SKIP and "no longer in the main dataset" in skipped.reason
+    assert skipped.action is Action.SKIP and "not a shard of the main dataset" in skipped.reason
     assert storage.asked == []
 
 
@@ -298,10 +380,13 @@ def test_updates_keep_the_newer_record():
     assert failed.state() is ShardState.FAILED and shard.state() is ShardState.COMPLETE
 
 
-@pytest.mark.parametrize("shard", [complete(), NEVER_BUILT, REMOVED, RESTATED_AFTER_CROP, PLANNED])
+@pytest.mark.parametrize(
+    "shard", [complete(), NEVER_BUILT, REMOVED, RESTATED_AFTER_CROP, PLANNED, FIDELITY_FAILED, CROP_FAILED]
+)
 def test_a_ledger_survives_its_json(shard):
     again = ShardLedger.from_json(shard.rel, shard.to_json())
     assert again.materializations == shard.materializations and again.removed_at == shard.removed_at
+    assert again.failed_verifications == shard.failed_verifications
     assert {n: (c.state, c.target, c.event) for n, c in again.checks.items()} == {
         n: (c.state, c.target, c.event) for n, c in shard.checks.items()
     }

@@ -30,9 +30,12 @@ def test_which_runs_get_which_tags(tmp_path, monkeypatch):
     try:
         from_asset_page = run_coordinator.tags_for(run_of("__ASSET_JOB", [KEYS.crop_bbox, KEYS.verify("512")]))
         assert from_asset_page[DATASET_TAG] == "tiny" and '"cpu": "3"' in from_asset_page[K8S_CONFIG_TAG]
-        check_only = run_coordinator.tags_for(run_of("__ASSET_JOB", checks=[dg.AssetCheckKey(KEYS.audit, "x")]))
+        check_only = run_coordinator.tags_for(run_of("__ASSET_JOB", checks=[dg.AssetCheckKey(KEYS.verify("512"), "x")]))
         assert check_only[DATASET_TAG] == "tiny"
         assert run_coordinator.tags_for(run_of("tiny__build_shards"))[DATASET_TAG] == "tiny"
+        # An audit is not work on the shards: never held back by the dataset's run limit.
+        assert run_coordinator.tags_for(run_of("tiny__dataset_audit")) == {}
+        assert run_coordinator.tags_for(run_of("__ASSET_JOB", [KEYS.audit], [dg.AssetCheckKey(KEYS.audit, "x")])) == {}
         # Runs of two datasets, or of assets that are not a dataset's, are left alone.
         assert run_coordinator.tags_for(run_of("__ASSET_JOB", [KEYS.main, DatasetKeys("other").main])) == {}
         assert run_coordinator.tags_for(run_of("__ASSET_JOB", [dg.AssetKey(["a", "b", "c"])])) == {}

@@ -222,6 +222,30 @@ def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
         assert requested(result, fresh, "odd") == ["good.parquet"]
 
 
+def test_the_tick_log_names_the_removed_shards(tmp_path):
+    main = Location.parse(tmp_path / "main")
+    write_stub_shards(main, ["a.parquet", "b.parquet"])
+    dataset = make_config(dataset_entry("gone", main, tmp_path / "out")).datasets[0]
+    first, seen = discovery_tick(dataset, [], None)
+
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, text):
+            self.lines.append(("info", text))
+
+        def warning(self, text):
+            self.lines.append(("warning", text))
+
+        error = warning
+
+    Path(main.child("b.parquet")).unlink()
+    log = Log()
+    discovery_tick(dataset, ["a.parquet", "b.parquet"], first.cursor, seen, log=log)
+    assert ("warning", f"removed from {main.uri} (partitions retired, outputs kept): b.parquet") in log.lines
+
+
 def test_discovery_on_s3_pages_through_the_listing(s3_bucket, instance):
     main = Location.parse(f"s3://{s3_bucket}/datasets/main")
     rels = [f"2026/{i:02d}/part.parquet" for i in range(5)]

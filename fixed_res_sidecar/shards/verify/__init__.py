@@ -2,9 +2,11 @@
 
 `report` holds the report types and the reading both verifiers share, `resized` the checks of
 a resized shard (and the crop sidecar's gate on them), `fidelity` its check that the sampled
-images show the right picture, `sidecar` the checks of a sidecar shard.
+images show the right picture, `coverage` which rows it compares (a window of rows not compared
+before), `sidecar` the checks of a sidecar shard.
 """
 
+from fixed_res_sidecar.shards.verify.coverage import COVERAGE_STAT, Coverage, previous_coverage
 from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, write_fidelity_pictures
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
@@ -41,6 +43,7 @@ __all__ = [
     "AUDIT_CONSISTENT",
     "BOXES_REDERIVED",
     "BOXES_VALID",
+    "COVERAGE_STAT",
     "CROP_BBOX_CHECKS",
     "FIDELITY",
     "KEYS_MATCH",
@@ -50,6 +53,7 @@ __all__ = [
     "SHARD_COMPLETE",
     "SIDECAR_COLUMNS",
     "CheckResult",
+    "Coverage",
     "GateError",
     "ReportError",
     "ShardReport",
@@ -57,6 +61,7 @@ __all__ = [
     "VerifyOptions",
     "failed_outputs",
     "load_report",
+    "previous_coverage",
     "report_rel",
     "require_verified",
     "resized_verification_problems",

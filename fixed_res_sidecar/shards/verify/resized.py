@@ -21,7 +21,9 @@ sampled rows' bytes are copied into Python. Storage that keeps failing raises St
 
 import bisect
 import math
+import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +51,7 @@ from fixed_res_sidecar.shards.settings import (
     settings_difference,
     stale_sources,
 )
+from fixed_res_sidecar.shards.verify.coverage import COVERAGE_STAT, Coverage, plan, row_order, window_rows
 from fixed_res_sidecar.shards.verify.fidelity import FIDELITY, SharedRenders, StoredSample, check_fidelity
 from fixed_res_sidecar.shards.verify.report import (
     KEYS_MATCH,
@@ -87,9 +90,10 @@ class VerifyOptions:
     pixels: PixelOptions = field(default_factory=PixelOptions)
     sample: int | None = 32  # images decoded per shard; None: every row
     fidelity: bool = True  # compare sampled images with the picture their source gives
-    # Of the sampled images, how many are compared with their source (None: all of them). Each costs
-    # about 2.7x a row of the build (both resolutions verified: the source decoded and rendered twice), so
-    # 8 keep the verifier near 3% of the build of a 1,000-row shard (measured 2.8%: docs/fidelity.md, "Cost").
+    # Rows compared with their source per verification (at most `sample`), a window of rows not compared
+    # before on the same bytes (shards/verify/coverage.py; None: `sample` rows). Each costs about 2.7x a row of the build (both
+    # resolutions verified: the source decoded and rendered twice), so 8 keep the verifier near 3% of the
+    # build of a 1,000-row shard (measured 2.8%: docs/fidelity.md, "Cost").
     fidelity_sample: int | None = 8
     fidelity_min_score: float = FIDELITY_MIN_SCORE
 
@@ -112,6 +116,8 @@ class _ResizedShard:
     sampled: dict[int, bytes]  # row -> encoded image, for the sampled rows
     settings: Any = None  # the build settings its footer records (a problem text when they are not JSON)
     image_problem: str | None = None  # why has_image is None
+    compared: dict[int, bytes] = field(default_factory=dict)  # row -> encoded image, for the fidelity window
+    coverage: Coverage | None = None  # the fidelity window this verification compares (None: fidelity off)
 
 
 def verify_resized_shard(
@@ -120,9 +126,12 @@ def verify_resized_shard(
     resolution: str,
     options: VerifyOptions = VerifyOptions(),
     shared: SharedRenders | None = None,
+    previous_coverage: Mapping[str, Any] | None = None,
 ) -> ShardReport:
     """SPEC 7 items 1-4 for the resized shard of `resolution` against `main/rel`. `shared`: one per
-    shard, given to the check of each of its resolutions, which then render their sources once."""
+    shard, given to the check of each of its resolutions, which then render their sources once.
+    `previous_coverage`: what the previous verification of this output recorded (its report's
+    `COVERAGE_STAT`): the fidelity check compares the window after it (shards/verify/coverage.py)."""
     output = layout.resized[resolution]
     report = ShardReport(
         kind="resized",
@@ -137,16 +146,20 @@ def verify_resized_shard(
     except ShardError as problem:
         report.checks = not_checked(RESIZED_CHECKS, problem)
         return report
+    # Which object was verified: a later build that repairs failed shards rebuilds it only if it is still there.
+    fingerprint = output.location.fingerprint(rel)
+    window = _FidelityWindow(options, previous_coverage, fingerprint) if options.fidelity else None
     try:
-        shard = _load_resized(layout, output, rel, options.sample)
+        shard = _load_resized(layout, output, rel, options.sample, window)
     except ShardError as problem:
         report.checks = not_checked(RESIZED_CHECKS, problem, shard_incomplete=True)
         return report
 
     uri, key_column, prefix = shard.uri, layout.key_column, output.audit_prefix
     report.rows = shard.rows
-    # Which object was verified: a later build that repairs failed shards rebuilds it only if it is still there.
-    report.stats["output_fingerprint"] = output.location.fingerprint(rel)
+    report.stats["output_fingerprint"] = fingerprint
+    if shard.coverage is not None:
+        report.stats[COVERAGE_STAT] = shard.coverage.to_json()
     expected = build_settings(output, options.pixels, key_column, layout.image_column)
     other_settings = settings_difference(shard.settings, expected)
     audit = guarded(AUDIT_CONSISTENT, uri, _check_audit, shard, key_column, prefix)
@@ -185,7 +198,25 @@ def require_verified(layout: DatasetLayout, rel: str, options: VerifyOptions) ->
         raise GateError("; ".join(problems) + "; its crop-bbox sidecar is not built")
 
 
-def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample: int | None) -> _ResizedShard:
+@dataclass(frozen=True)
+class _FidelityWindow:
+    """How to pick the rows the fidelity check compares: the window after the previous verification's."""
+
+    options: VerifyOptions
+    previous: Mapping[str, Any] | None
+    fingerprint: str | None
+
+    def plan(self, rel: str, candidates: list[int]) -> tuple[Coverage, list[int]]:
+        """(the coverage, the rows to compare) among the comparable rows `candidates`."""
+        sample, window = self.options.sample, self.options.fidelity_sample
+        size = None if sample is None else min(window, sample) if window else sample
+        coverage = plan(self.previous, len(candidates), size, self.fingerprint, time.time())
+        return coverage, window_rows(row_order(rel, candidates), coverage.size, coverage.window)
+
+
+def _load_resized(
+    layout: DatasetLayout, output: ResizedOutput, rel: str, sample: int | None, window: _FidelityWindow | None = None
+) -> _ResizedShard:
     uri, image_column = output.location.child(rel), layout.image_column
     with open_shard(output.location, rel, "output") as parquet_file:
         rows = parquet_file.metadata.num_rows
@@ -199,14 +230,17 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
         columns = read_columns(parquet_file, [n for n in parquet_file.schema_arrow.names if n != image_column], uri)
         valid_name = audit_column(output.audit_prefix, "valid")
         valid = columns.column(valid_name).to_pylist() if valid_name in columns.column_names else [True] * rows
-        sampled_rows = sample_rows([i for i, v in enumerate(valid) if v], sample, rel)  # sorted
+        candidates = [i for i, v in enumerate(valid) if v]
+        sample_only = sample_rows(candidates, sample, rel)  # sorted
+        coverage, compared_rows = window.plan(rel, candidates) if window is not None else (None, [])
+        sampled_rows = sorted({*sample_only, *compared_rows})
         if image_column not in parquet_file.schema_arrow.names:
             problem = f"image column {image_column!r} is missing"
-            return _ResizedShard(uri, rows, stale, columns, None, {}, settings, problem)
+            return _ResizedShard(uri, rows, stale, columns, None, {}, settings, problem, coverage=coverage)
         image_type = parquet_file.schema_arrow.field(image_column).type
         if not is_image_type(image_type):
             problem = f"image column {image_column!r} has type {image_type}, not encoded bytes"
-            return _ResizedShard(uri, rows, stale, columns, None, {}, settings, problem)
+            return _ResizedShard(uri, rows, stale, columns, None, {}, settings, problem, coverage=coverage)
         present: list[bool] = []
         sampled: dict[int, bytes] = {}
         # One streaming pass: every row's presence by Arrow compute; only the sampled rows'
@@ -220,7 +254,11 @@ def _load_resized(layout: DatasetLayout, output: ResizedOutput, rel: str, sample
                 for offset, data in zip(in_batch, image_bytes_array(cells).take(in_batch).to_pylist()):
                     if data:
                         sampled[start + offset] = data
-        return _ResizedShard(uri, rows, stale, columns, present, sampled, settings)
+        decoded = {row: sampled[row] for row in sample_only if row in sampled}
+        compared = {row: sampled[row] for row in compared_rows if row in sampled}
+        return _ResizedShard(
+            uri, rows, stale, columns, present, decoded, settings, compared=compared, coverage=coverage
+        )
 
 
 def aspect_tolerance(target: tuple[int, int], crop_height: float) -> float:
@@ -322,11 +360,16 @@ def _check_fidelity(
     if shard.has_image is None:
         return CheckResult(FIDELITY, False, f"{shard.uri}: {shard.image_problem}, nothing to compare")
     keys = keys_or_nulls(shard.columns, layout.key_column)
-    compared = options.fidelity_sample if options.sample is not None else None  # --sample all: every row
-    rows = sample_rows(sorted(shard.sampled), compared, rel)  # a subset of the decoded sample, the same every run
-    sampled = {row: shard.sampled[row] for row in rows}
-    stored = StoredSample(sampled, keys)
-    return check_fidelity(layout, rel, output, stored, options.pixels, options.fidelity_min_score, shared)
+    # The window of rows not compared before on these bytes (shards/verify/coverage.py).
+    stored = StoredSample(dict(shard.compared), keys)
+    result = check_fidelity(layout, rel, output, stored, options.pixels, options.fidelity_min_score, shared)
+    if shard.coverage is not None:
+        coverage = shard.coverage
+        result.metadata["coverage"] = (
+            f"window {coverage.window + 1} of {coverage.windows}: {coverage.compared_ever} of {coverage.comparable} "
+            "comparable rows compared on these bytes so far"
+        )
+    return result
 
 
 def _check_audit(shard: _ResizedShard, key_column: str, prefix: str) -> CheckResult:

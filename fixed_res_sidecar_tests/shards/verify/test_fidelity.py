@@ -109,7 +109,7 @@ def test_sample_none_compares_every_valid_row_and_fidelity_can_be_switched_off(s
     valid = len(valid_rows(sidecar_build.r1024, REL, sidecar_build.prefixes["1024"]))
     assert report.check(FIDELITY).metadata["checked"] == valid
     assert sidecar_build.verify("1024", sample=2).check(FIDELITY).metadata["checked"] == 2
-    # A subset of the decoded sample is compared (the same rows every run); --sample all compares them all.
+    # A window of rows is compared (rows not compared before: test_coverage.py); --sample all compares them all.
     subset = sidecar_build.verify("1024", fidelity_sample=3)
     assert subset.check(FIDELITY).metadata["checked"] == 3 and subset.check(SAMPLE_IMAGES).metadata["sampled"] == valid
     assert sidecar_build.verify("1024", sample=None, fidelity_sample=3).check(FIDELITY).metadata["checked"] == valid
