@@ -506,9 +506,11 @@ def test_the_documented_dagster_commands_build_their_shards(dagster_deployment, 
             assert built == [materialize_run]
 
 
-LONG_OUTAGE_SECONDS = 150.0  # longer than a run's storage wait (history.STORAGE_RETRY: 120 s)
-START_RUN_DEADLINE = 60.0  # the daemon's gRPC deadline for the code server's StartRun (Dagster's default)
-STALLED_STARTS = 4  # run workers held: more than the two retries a run gets
+# The times of a long outage, scaled down by a sixth (the same order of events, minutes less waiting):
+STORAGE_WAIT_SECONDS = 20  # a run's storage wait (SIDECAR_STORAGE_WAIT_SECONDS; deploy's default 120 s)
+LONG_OUTAGE_SECONDS = 30.0  # longer than a run's storage wait
+START_RUN_DEADLINE = 15  # the daemon's StartRun deadline (DAGSTER_GRPC_TIMEOUT_SECONDS; Dagster's default 60 s)
+STALLED_STARTS = 3  # run workers held: more than the two retries a run gets
 
 
 @contextmanager
@@ -584,15 +586,22 @@ class StalledRunStarts:
 
 
 def test_a_long_outage_on_a_busy_machine_leaves_no_shard_built_but_unrecorded(private_dagster_deployment, tmp_path):
-    """PostgreSQL stopped for 150 s mid-backfill (longer than a run waits for its storage) with both cores
-    kept busy: the run in its work fails once its wait is over. Then the run workers of its retries (and of
-    any other run) are slow to start, longer than the daemon's StartRun deadline, four times in a row (more
-    than a run's two retries). Every shard still ends recorded (materialised, every check passed,
-    describing the objects in storage): a run that could not start is started again, and a later run finds
-    the outputs the interrupted run had written and records them (not rebuilt)."""
+    """PostgreSQL stopped mid-backfill for longer than a run waits for its storage, with both cores kept
+    busy: the run in its work fails once its wait is over. Then the run workers of its retries (and of
+    any other run) are slow to start, longer than the daemon's StartRun deadline, three times in a row
+    (more than a run's two retries); the waits scaled down (STORAGE_WAIT_SECONDS and below). Every shard
+    still ends recorded (materialised, every check passed, describing the objects in storage): a run that
+    could not start is started again, and a later run finds the outputs the interrupted run had written
+    and records them (not rebuilt)."""
     deployment, server = private_dagster_deployment, private_dagster_deployment.database.server
     # The monitoring backstop (a run's longest life) must outlast the outage: a run it cancels is never retried.
-    deployment.write_instance(InstanceSettings(max_runtime_seconds=int(LONG_OUTAGE_SECONDS) * 6))
+    deployment.write_instance(InstanceSettings(max_runtime_seconds=int(LONG_OUTAGE_SECONDS) * 10))
+    deployment.extra_env.update(
+        {
+            "SIDECAR_STORAGE_WAIT_SECONDS": str(STORAGE_WAIT_SECONDS),
+            "DAGSTER_GRPC_TIMEOUT_SECONDS": str(START_RUN_DEADLINE),
+        }
+    )
     shards = [f"part-{i}.parquet" for i in range(3)]
     config = datasets_config(deployment, tiny_dataset(tmp_path, "longout", shards))
     keys = DatasetKeys("longout")

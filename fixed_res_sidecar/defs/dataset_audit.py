@@ -316,7 +316,7 @@ class DatasetAudit:
     # score bin, the lowest score and the shards' median scores; and its rolling coverage: comparable rows,
     # rows compared ever on the current bytes, when the oldest shard not fully compared was first verified
     fidelity: dict[str, dict[str, Any]] = field(default_factory=dict)
-    evaluated_at: float = field(default_factory=time.time)
+    evaluated_at: float = field(default_factory=time.time, compare=False)  # when, not what: not compared
 
     @property
     def failed_shards(self) -> list[str]:

@@ -18,6 +18,7 @@ records its shards. A run that failed anyway is retried as a new run, unless its
 import base64
 import json
 import logging
+import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -43,7 +44,11 @@ log = logging.getLogger(__name__)
 # How long a call to the instance's storage is retried while the database does not answer: longer
 # than a database restart or a managed failover (tens of seconds), short enough that a dead
 # database fails the run within minutes (its retry then redoes the shard). Waits 0.5 s, doubling, at most 10 s.
-STORAGE_RETRY = RetryPolicy(base_seconds=0.5, max_seconds=10.0, budget_seconds=120.0, jitter=False)
+# SIDECAR_STORAGE_WAIT_SECONDS sets it for a deployment (defs/resources.py lists the run-time settings).
+STORAGE_WAIT_ENV = "SIDECAR_STORAGE_WAIT_SECONDS"
+STORAGE_RETRY = RetryPolicy(
+    base_seconds=0.5, max_seconds=10.0, budget_seconds=float(os.environ.get(STORAGE_WAIT_ENV) or 120.0), jitter=False
+)
 
 # Materialization metadata. A verifier's and crop_bbox's: the fingerprint of the output they checked.
 VERIFIED_FINGERPRINT = "verified_fingerprint"

@@ -7,6 +7,8 @@ a cluster) is here, and can be set from the environment:
 
     SIDECAR_SKIP_EXISTING=0        rebuild output shards even when they are up to date
     SIDECAR_THREADS_PER_SHARD=8    resize threads inside one shard run (default: the dataset's)
+    SIDECAR_STORAGE_WAIT_SECONDS=120  how long a run waits for the instance's storage through an
+                                   outage before it fails (`defs/history.STORAGE_RETRY`)
 """
 
 import os

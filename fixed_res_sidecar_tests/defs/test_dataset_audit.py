@@ -141,7 +141,7 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
     crop = dataset.output("crop_bbox").child(BAD)
     pq.write_table(pq.read_table(crop), crop)  # the same rows and footer, another object than the one verified
     audit, _, metadata = run_audit(tiny_defs, instance)
-    assert not audit.passed and audit.description.startswith("tiny FAILED")
+    assert not audit.passed and audit.description.startswith("**tiny FAILED")
     assert "2 shard(s) whose outputs on storage are not what was verified" in audit.description
     problems = {r.data["shard"]: r.data["problem"] for r in audit.metadata["0. problem shards"].records}
     assert problems[GOOD].startswith("its 512 output is gone from storage (verified by run ")

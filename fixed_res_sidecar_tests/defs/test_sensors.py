@@ -222,11 +222,11 @@ def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
         assert requested(result, fresh, "odd") == ["good.parquet"]
 
 
-def test_the_tick_log_names_the_removed_shards(tmp_path):
+def test_the_tick_log_names_the_removed_shards(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     write_stub_shards(main, ["a.parquet", "b.parquet"])
     dataset = make_config(dataset_entry("gone", main, tmp_path / "out")).datasets[0]
-    first, seen = discovery_tick(dataset, [], None)
+    first = discovery_tick(dataset, instance, None)
 
     class Log:
         def __init__(self):
@@ -242,7 +242,7 @@ def test_the_tick_log_names_the_removed_shards(tmp_path):
 
     Path(main.child("b.parquet")).unlink()
     log = Log()
-    discovery_tick(dataset, ["a.parquet", "b.parquet"], first.cursor, seen, log=log)
+    discovery_tick(dataset, instance, first.cursor, log=log)
     assert ("warning", f"removed from {main.uri} (partitions retired, outputs kept): b.parquet") in log.lines
 
 

@@ -206,10 +206,13 @@ class _FidelityWindow:
     previous: Mapping[str, Any] | None
     fingerprint: str | None
 
-    def plan(self, rel: str, candidates: list[int]) -> tuple[Coverage, list[int]]:
-        """(the coverage, the rows to compare) among the comparable rows `candidates`."""
+    def plan(self, rel: str, candidates: list[int]) -> tuple[Coverage | None, list[int]]:
+        """(the coverage, the rows to compare) among the comparable rows `candidates`; (None, []) when the
+        sample decodes no image (`--verify-sample 0`): nothing to compare, no window moved."""
         sample, window = self.options.sample, self.options.fidelity_sample
         size = None if sample is None else min(window, sample) if window else sample
+        if size == 0:
+            return None, []
         coverage = plan(self.previous, len(candidates), size, self.fingerprint, time.time())
         return coverage, window_rows(row_order(rel, candidates), coverage.size, coverage.window)
 
