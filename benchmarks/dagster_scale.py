@@ -55,8 +55,9 @@ from benchmarks.dagster_scale_metrics import (
     tick_summary,
     timed,
 )
+from fixed_res_sidecar.defs.audit_state import load_audit_state, update_state
 from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN, load_config
-from fixed_res_sidecar.defs.dataset_audit import audit_dataset, load_audit_state, update_state
+from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import read_ledger, read_ledgers
 from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys

@@ -28,7 +28,8 @@ FIXTURE_MARKERS = {
     "two_node_ray_cluster": "ray_cluster",
 }
 # Every marker of a tier that `-m "not slow"` (the developer loop) leaves out.
-SLOW_MARKERS = {"postgres", "deployment", "browser", "ray", "ray_cluster", "image", "install", "benchmark", "stress"}
+SLOW_MARKERS = {"postgres", "deployment", "browser", "ray", "ray_cluster", "image", "install", "benchmark"}
+SLOW_MARKERS |= {"stress", "heavy"}  # no server: long runs (killed, signalled, repaired) and heavy pipelines
 # Tests holding these run one after another on one pytest-xdist worker (the group "deployment"): one
 # whole deployment at a time on this machine (`deployment_slot`; the 2-node Ray cluster's deployment
 # takes the same lock), without the other worker waiting for the lock.

@@ -61,6 +61,7 @@ def test_naive_worker_imports_only_pil_pyarrow_and_stdlib():
     )
 
 
+@pytest.mark.heavy
 def test_compare_webp_methods_and_memory_report_their_fields(tmp_path, capsys):
     out = tmp_path / "report.json"
     naive_args, naive_in_venv = _naive_args()

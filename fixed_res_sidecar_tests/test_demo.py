@@ -4,6 +4,7 @@ import os
 from collections import Counter
 
 import dagster as dg
+import pytest
 
 from fixed_res_sidecar import demo
 from fixed_res_sidecar.cli import main as cli_main
@@ -12,6 +13,7 @@ from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.demo import demo_config
 
 
+@pytest.mark.heavy
 def test_demo_builds_every_shard_then_skips_finished_work(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     monkeypatch.delenv("SIDECAR_DATASETS", raising=False)

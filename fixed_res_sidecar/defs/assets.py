@@ -30,7 +30,6 @@ recorded as built, by its retry alone.
 No `from __future__ import annotations` here: Dagster reads the `context` annotation.
 """
 
-import base64
 import logging
 from collections.abc import Iterator, Set
 from dataclasses import replace
@@ -39,7 +38,6 @@ import dagster as dg
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
 from fixed_res_sidecar.core.errors import describe_exception
-from fixed_res_sidecar.core.overlay import embeddable
 from fixed_res_sidecar.defs import ui_links
 from fixed_res_sidecar.defs.checks import (
     VERIFY_CPU_SECONDS,
@@ -72,7 +70,13 @@ from fixed_res_sidecar.defs.history import (
 from fixed_res_sidecar.defs.ledger import CHECKS, Action, CheckState, Decision, ShardLedger
 from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, SWEEP_TAG, DatasetKeys
 from fixed_res_sidecar.defs.resources import SidecarRuntime
-from fixed_res_sidecar.io.locations import Location, commit_guard
+from fixed_res_sidecar.defs.shard_metadata import (
+    fidelity_picture_metadata,
+    overlay_metadata,
+    shard_metadata,
+    text_or_null,
+)
+from fixed_res_sidecar.io.locations import commit_guard
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.pipeline import (
     PipelineOptions,
@@ -319,7 +323,7 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
         )
         for resolution, summary in zip(stages.resize, outcome.resized.outputs):
             metadata = {
-                **_shard_metadata(layout.resized[resolution].location, rel),
+                **shard_metadata(layout.resized[resolution].location, rel),
                 "dagster/row_count": dg.MetadataValue.int(outcome.resized.rows),
                 "status": dg.MetadataValue.text(summary.status),
                 "seconds": dg.MetadataValue.float(round(outcome.resized.seconds, 3)),
@@ -338,7 +342,7 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
         metadata = {
             "report": dg.MetadataValue.path(outcome.report_paths[resolution]),
             "passed": dg.MetadataValue.bool(report.passed),
-            VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
+            VERIFIED_FINGERPRINT: text_or_null(outcome.fingerprints.get(f"resized_{resolution}")),
             "failed_checks": dg.MetadataValue.json(failed),
             **report_counts(report),
             **fidelity_numbers(report),
@@ -346,7 +350,7 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
             "invalid_examples": examples_table(report.examples),
         }
         key = keys.verify(resolution)
-        pictures = {verify.FIDELITY: _fidelity_picture_metadata(dataset, outcome.fidelity_pictures.get(resolution))}
+        pictures = {verify.FIDELITY: fidelity_picture_metadata(dataset, outcome.fidelity_pictures.get(resolution))}
         yield from verified_events(context, keys, key, rel, report, metadata, verify.RESIZED_CHECKS, pictures)
     if outcome.crop_refused:
         yield refusal(keys, rel, outcome.crop_refused, context, _crop_built_by(instance, keys, rel))
@@ -357,14 +361,14 @@ def shard_events(context, dataset: DatasetConfig, keys: DatasetKeys, outcome: Sh
         report = outcome.crop_report
         assert report is not None  # run_stages verifies every crop_bbox it builds
         # Overlay pictures first: the UI lists metadata in this order.
-        metadata = _overlay_metadata(layout.report_location("overlays"), outcome, dataset.overlay_embed)
+        metadata = overlay_metadata(layout.report_location("overlays"), outcome, dataset.overlay_embed)
         metadata |= {
-            **_shard_metadata(layout.sidecar_location(), rel),
+            **shard_metadata(layout.sidecar_location(), rel),
             "dagster/row_count": dg.MetadataValue.int(outcome.crop.rows),
             "status": dg.MetadataValue.text(outcome.crop.status),
             "report": dg.MetadataValue.path(outcome.report_paths["crop_bbox"]),
             "passed": dg.MetadataValue.bool(report.passed),
-            VERIFIED_FINGERPRINT: _text_or_null(outcome.fingerprints.get("crop_bbox")),
+            VERIFIED_FINGERPRINT: text_or_null(outcome.fingerprints.get("crop_bbox")),
             "failed_checks": dg.MetadataValue.json([c.name for c in report.failed_checks]),
             "captions": dg.MetadataValue.json(report.stats.get("caption_status", {})),
             "boxes": dg.MetadataValue.json(report.stats.get("boxes", {})),
@@ -500,63 +504,6 @@ def removed_observations(context, keys: DatasetKeys, dataset: DatasetConfig, rel
         yield dg.AssetObservation(
             asset_key=key, partition=rel, description=reason, metadata={"skipped": dg.MetadataValue.text(reason)}
         )
-
-
-def _text_or_null(value: str | None) -> dg.MetadataValue:
-    return dg.MetadataValue.null() if value is None else dg.MetadataValue.text(value)
-
-
-def _shard_metadata(location: Location, rel: str) -> dict[str, dg.MetadataValue]:
-    size = location.size(rel)
-    return {
-        "dagster/uri": dg.MetadataValue.path(location.child(rel)),
-        "bytes": dg.MetadataValue.int(size if size is not None else 0),
-    }
-
-
-def _overlay_metadata(overlays: Location, outcome: ShardOutcome, embed: int) -> dict[str, dg.MetadataValue]:
-    """The shard's overlay pictures: inline ones (WebP data URIs) and links to every full-size one."""
-    if outcome.overlay_problem:
-        return {"overlays": dg.MetadataValue.text(f"overlay pictures could not be drawn: {outcome.overlay_problem}")}
-    if not outcome.overlays:
-        return {}
-    metadata: dict[str, dg.MetadataValue] = {
-        "overlays": dg.MetadataValue.md(overlay_markdown(overlays, outcome.overlays, embed))
-    }
-    link = overlays.link(outcome.overlays[0].removeprefix(overlays.uri.rstrip("/") + "/"))
-    metadata["overlay_full_size"] = dg.MetadataValue.url(link) if overlays.is_s3 else dg.MetadataValue.path(link)
-    return metadata
-
-
-def _fidelity_picture_metadata(dataset: DatasetConfig, pictures: list[str] | str | None) -> dict[str, dg.MetadataValue]:
-    """Expected | stored | difference pictures of a shard's rows failing fidelity, shown like the overlays:
-    every one of them inline (at most the verifier's MAX_PROBLEMS rows; a local path is no use in a browser)."""
-    if not pictures:
-        return {}
-    if isinstance(pictures, str):
-        return {"pictures": dg.MetadataValue.text(f"comparison pictures could not be drawn: {pictures}")}
-    location = dataset.layout.report_location("fidelity")
-    return {"pictures": dg.MetadataValue.md(overlay_markdown(location, pictures, len(pictures)))}
-
-
-def overlay_markdown(location: Location, uris: list[str], limit: int) -> str:
-    """Overlay pictures as markdown: the first `limit` inline (data URIs), and a link to every full-size one."""
-    lines = []
-    root = location.uri.rstrip("/") + "/"
-    for uri in uris[:limit]:
-        rel = uri.removeprefix(root)
-        try:
-            picture = base64.b64encode(embeddable(location.read_bytes(rel))).decode("ascii")
-            lines.append(f"**{rel}**\n\n![{rel}](data:image/webp;base64,{picture})\n")
-        except Exception as exc:  # noqa: BLE001 - a picture that cannot be shown must not fail the asset
-            lines.append(f"**{rel}**: cannot be shown ({describe_exception(exc, max_chars=300)})\n")
-    lines.append("Full-size pictures:\n" + "\n".join(_picture_link(location, uri.removeprefix(root)) for uri in uris))
-    return "\n".join(lines)
-
-
-def _picture_link(location: Location, rel: str) -> str:
-    link = location.link(rel)
-    return f"- [{rel}]({link})" if link.startswith(("https://", "http://")) else f"- `{link}`"
 
 
 def audit_asset(dataset: DatasetConfig) -> dg.AssetsDefinition:

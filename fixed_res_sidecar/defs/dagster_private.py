@@ -86,7 +86,7 @@ from dagster._core.storage.tags import (
 )
 from dagster._daemon.asset_daemon import set_auto_materialize_paused
 from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
-from dagster._utils.error import SerializableErrorInfo
+from dagster_shared.error import SerializableErrorInfo
 
 DATA_FAILURE_CLASS = "DataFailure"
 

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import dagster as dg
 
 from fixed_res_sidecar.defs import history
+from fixed_res_sidecar.defs.audit_state import load_audit_state
 from fixed_res_sidecar.defs.checks import VERIFY_CPU_SECONDS
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
-from fixed_res_sidecar.defs.dataset_audit import load_audit_state
 from fixed_res_sidecar.defs.ledger import ShardState
 from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, SWEEP_TAG, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags

@@ -546,6 +546,7 @@ def test_rebuild_failed_refuses_a_malformed_report_naming_the_problem(sample_mai
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.heavy
 def test_rebuild_failed_says_which_failed_shards_it_ignores_and_why(sample_main, tmp_path):
     """Reported: entries outside the outputs, with '../', naming main or another dataset were ignored silently,
     and a report matching no output of the build was accepted with exit 0."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from fixed_res_sidecar.cli import crop_bbox
 from fixed_res_sidecar.cli.common import STORAGE_FAILED
@@ -35,6 +36,7 @@ def cli_args(main, out_512, out_1024, output, *extra) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.heavy
 def test_builds_every_shard_with_progress_and_summary(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     output = tmp_path / "sidecar"
@@ -54,6 +56,7 @@ def test_builds_every_shard_with_progress_and_summary(sample_build, tmp_path, ca
     assert f"0 built, {len(shards)} skipped, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_a_sidecar_folder_linked_into_main_or_captions_never_gets_written(sample_build, tmp_path, capsys):
     from fixed_res_sidecar_tests.fixtures.datasets import tree_snapshot
 
@@ -95,6 +98,7 @@ def test_a_main_folder_that_cannot_be_listed_fails_the_command_naming_it(sample_
     assert not output.exists()
 
 
+@pytest.mark.heavy
 def test_options_reach_the_job(sample_build, tmp_path):
     main, (out_512, out_1024) = sample_build
     output = tmp_path / "sidecar"
@@ -124,6 +128,7 @@ def test_bad_configuration_does_no_work(sample_build, tmp_path, capsys):
     assert "no *.parquet shards" in capsys.readouterr().err
 
 
+@pytest.mark.heavy
 def test_through_the_sidecar_ops_dispatcher(sample_build, tmp_path, capsys):
     from fixed_res_sidecar.cli import main as sidecar_ops
 
@@ -150,6 +155,7 @@ def first_valid(prefix: str):
     return lambda table: table.column(f"{prefix}_valid").to_pylist().index(True)
 
 
+@pytest.mark.heavy
 def test_gate_a_resized_shard_that_fails_the_verifier_fails_only_its_shard(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     shards = main.list_shards()
@@ -167,6 +173,7 @@ def test_gate_a_resized_shard_that_fails_the_verifier_fails_only_its_shard(sampl
     assert written == [rel for rel in shards if rel != damaged]
 
 
+@pytest.mark.heavy
 def test_gate_decodes_verify_sample_images(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     shards = main.list_shards()
@@ -181,6 +188,7 @@ def test_gate_decodes_verify_sample_images(sample_build, tmp_path, capsys):
     assert "1 built, 2 skipped, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_gate_uses_the_patch_size_and_square_given(sample_build, tmp_path, capsys):
     main, (out_512, out_1024) = sample_build
     output = tmp_path / "sidecar"

@@ -500,6 +500,7 @@ def test_verify_resized_names_each_wrong_picture_with_its_score_and_draws_it(sid
     ],
     ids=["quality", "format", "patch_size"],
 )
+@pytest.mark.heavy
 def test_verify_resized_expects_its_own_flags_not_what_the_footers_say(
     sample_main, tmp_path, capsys, flags, words, failed
 ):

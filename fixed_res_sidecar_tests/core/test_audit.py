@@ -5,6 +5,7 @@ import math
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +77,7 @@ def expected_back(name: str, value):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(records, min_size=1, max_size=8))
+@pytest.mark.heavy
 def test_every_audit_column_at_its_extremes_is_written(batch):
     back = write_and_read(batch)
     assert len(back) == len(batch)

@@ -323,6 +323,7 @@ def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_rest
     assert audit.crop_stale == [] and audit.crop_missing == [] and audit.changed == {}
 
 
+@pytest.mark.heavy
 def test_crop_bbox_alone_is_refused_after_its_resized_shard_was_rebuilt_unverified(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
     rel = "part-a.parquet"
@@ -380,6 +381,7 @@ def output_files(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.heavy
 def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path):
     main = Location.parse(tmp_path / "main")
     shards = ["b1.parquet", "b2.parquet", "b3.parquet"]
@@ -414,6 +416,7 @@ def test_a_batch_is_one_run_with_per_shard_results_and_a_per_shard_gate(tmp_path
     assert "SUCCEEDED" not in {s for (name, rel), s in batch_statuses.items() if rel == damaged and "crop_bbox" in name}
 
 
+@pytest.mark.heavy
 def test_a_rerun_of_a_batch_builds_nothing_and_restates_its_results(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     write_tiny(main, shards=["c1.parquet", "c2.parquet"])
@@ -474,6 +477,7 @@ SHARD_ASSETS = [
 ]
 
 
+@pytest.mark.heavy
 def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(tmp_path, instance):
     """A batch whose shards were up to date but one, which was damaged since: only that shard's
     crop_bbox shows Failed and only its verifier check failed; the run names it alone; once it is
@@ -530,6 +534,7 @@ def test_in_a_batch_only_the_damaged_shard_shows_failed_and_a_repair_clears_it(t
     assert set(check_partition_status(instance, ALL_CHECK_KEYS, shards).values()) == {"SUCCEEDED"}
 
 
+@pytest.mark.heavy
 def test_a_shard_removed_from_main_is_skipped_and_its_batch_goes_on(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     shards = ["r1.parquet", "r2.parquet", "r3.parquet"]

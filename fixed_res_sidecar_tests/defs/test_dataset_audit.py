@@ -8,7 +8,7 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from fixed_res_sidecar.defs import dataset_audit
+from fixed_res_sidecar.defs import audit_state, dataset_audit
 from fixed_res_sidecar.defs.names import DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
 from fixed_res_sidecar.shards.verify import RESIZED_CHECKS
 from fixed_res_sidecar_tests.defs.conftest import TINY_ROWS, register, run_shard, swap_two_keys
@@ -31,6 +31,7 @@ def run_audit(defs: dg.Definitions, instance) -> tuple[dg.AssetCheckEvaluation, 
     return audit, complete, metadata
 
 
+@pytest.mark.heavy
 def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
     register(instance, tiny_config)
@@ -86,6 +87,7 @@ def test_a_damaged_shard_fails_the_audit_by_name_and_the_repair_passes_it(tiny_c
     assert metadata["1. failed shards"] == 0 and metadata["2. 512: shards verified"] == 2
 
 
+@pytest.mark.heavy
 def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_config, tiny_defs, instance):
     register(instance, tiny_config)
     for rel in (GOOD, BAD):
@@ -111,22 +113,23 @@ def test_a_verified_shard_without_crop_bbox_fails_unless_work_is_under_way(tiny_
 def test_the_audit_reads_only_what_was_recorded_since_its_last_run(tiny_config, tiny_defs, instance):
     register(instance, tiny_config)
     keys = KEYS
-    first = dataset_audit.load_audit_state(instance, "tiny")
-    assert dataset_audit.update_state(instance, keys, first) == 2  # the two shards recorded on main
-    dataset_audit.save_audit_state(instance, "tiny", first)
-    again = dataset_audit.load_audit_state(instance, "tiny")
-    assert again.shards == first.shards and dataset_audit.update_state(instance, keys, again) == 0
+    first = audit_state.load_audit_state(instance, "tiny")
+    assert audit_state.update_state(instance, keys, first) == 2  # the two shards recorded on main
+    audit_state.save_audit_state(instance, "tiny", first)
+    again = audit_state.load_audit_state(instance, "tiny")
+    assert again.shards == first.shards and audit_state.update_state(instance, keys, again) == 0
 
     assert run_shard(tiny_defs, instance, "tiny__build_shards", GOOD).success
     # 2 resized, 2 verifier and 1 sidecar materializations, and 10 + 6 check results of one shard.
-    assert dataset_audit.update_state(instance, keys, again) == 5 + 16
-    assert dataset_audit.update_state(instance, keys, again) == 0
-    dataset_audit.save_audit_state(instance, "tiny", again)
-    assert dataset_audit.load_audit_state(instance, "tiny") == again
-    instance.run_storage.set_cursor_values({dataset_audit.STATE_KEY.format(dataset="tiny"): "not a state"})
-    assert dataset_audit.load_audit_state(instance, "tiny").shards == {}  # unreadable: read everything again
+    assert audit_state.update_state(instance, keys, again) == 5 + 16
+    assert audit_state.update_state(instance, keys, again) == 0
+    audit_state.save_audit_state(instance, "tiny", again)
+    assert audit_state.load_audit_state(instance, "tiny") == again
+    instance.run_storage.set_cursor_values({audit_state.STATE_KEY.format(dataset="tiny"): "not a state"})
+    assert audit_state.load_audit_state(instance, "tiny").shards == {}  # unreadable: read everything again
 
 
+@pytest.mark.heavy
 def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_audit(tiny_config, tiny_defs, instance):
     """Reported: the audit read only the event log, so an output deleted or rewritten on disk after it was
     verified left it passing. It lists each output prefix once and compares with what was verified."""
@@ -149,8 +152,8 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
     assert metadata["1. shards changed on storage since verified"] == 2 and metadata["1. failed shards"] == 2
     assert metadata["2. 512: shards verified"] == 1 and metadata["2. 1024: shards verified"] == 2
     # The audit from scratch says the same.
-    scratch = dataset_audit.AuditState()
-    dataset_audit.update_state(instance, KEYS, scratch)
+    scratch = audit_state.AuditState()
+    audit_state.update_state(instance, KEYS, scratch)
     assert dataset_audit.evaluate(instance, KEYS, scratch, dataset_audit.stored_outputs(dataset.layout)).changed == {
         GOOD: {"resized_512": problems[GOOD]},
         BAD: {"crop_bbox": problems[BAD]},
@@ -164,6 +167,7 @@ def test_an_output_gone_or_changed_on_storage_after_it_was_verified_fails_the_au
     assert metadata["1. shards changed on storage since verified"] == 0
 
 
+@pytest.mark.heavy
 def test_after_a_run_is_deleted_the_incremental_audit_equals_one_from_scratch(tiny_config, tiny_defs, instance):
     """Reported: after a run was deleted from the instance, the incremental audit (passed) differed from an
     audit from scratch (incomplete): the state still held the deleted run's materializations."""
@@ -171,15 +175,15 @@ def test_after_a_run_is_deleted_the_incremental_audit_equals_one_from_scratch(ti
     register(instance, tiny_config)
     runs = {rel: run_shard(tiny_defs, instance, "tiny__build_shards", rel) for rel in (GOOD, BAD)}
     assert all(run.success for run in runs.values())
-    state = dataset_audit.AuditState()
-    dataset_audit.update_state(instance, KEYS, state)
+    state = audit_state.AuditState()
+    audit_state.update_state(instance, KEYS, state)
     stored = dataset_audit.stored_outputs(layout)
     assert dataset_audit.evaluate(instance, KEYS, state, stored).verdict() == "passed"
 
     instance.delete_run(runs[GOOD].run_id)
-    dataset_audit.update_state(instance, KEYS, state)
-    scratch = dataset_audit.AuditState()
-    dataset_audit.update_state(instance, KEYS, scratch)
+    audit_state.update_state(instance, KEYS, state)
+    scratch = audit_state.AuditState()
+    audit_state.update_state(instance, KEYS, scratch)
     assert state.shards == scratch.shards
     incremental = dataset_audit.evaluate(instance, KEYS, state, stored)
     assert incremental == dataset_audit.evaluate(instance, KEYS, scratch, stored)
@@ -237,18 +241,18 @@ def test_the_incremental_audit_misses_no_event_committed_out_of_order(postgres_i
         for i in range(LATE_PER_WRITER):
             rels.insert(3 + 10 * i, f"late/w{w}-{i}.parquet")  # among the others, not at the end
     instance.add_dynamic_partitions(KEYS.partitions, [rel for rels in slices for rel in rels])
-    state, updates = dataset_audit.AuditState(), 0
+    state, updates = audit_state.AuditState(), 0
     with ThreadPoolExecutor(WRITERS) as pool:
         writing = [pool.submit(write_shard_events, instance, rels) for rels in slices]
         while not all(w.done() for w in writing) or not state.cursors.get("settled"):
-            dataset_audit.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+            audit_state.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
             updates += 1
         for w in writing:
             w.result()
-    dataset_audit.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
+    audit_state.update_state(instance, KEYS, state, settle_seconds=SETTLE_SECONDS)
 
-    scratch = dataset_audit.AuditState()
-    assert dataset_audit.update_state(instance, KEYS, scratch) == sum(map(len, slices)) * EVENTS_PER_SHARD
+    scratch = audit_state.AuditState()
+    assert audit_state.update_state(instance, KEYS, scratch) == sum(map(len, slices)) * EVENTS_PER_SHARD
     missed = {
         rel: (want, state.shards.get(rel)) for rel, want in scratch.shards.items() if state.shards.get(rel) != want
     }

@@ -126,6 +126,7 @@ def test_a_run_failed_by_the_worker_itself_does_not_kill_it(instance, tmp_path):
     assert (folder / "committed").exists() and (folder / "survived").exists()
 
 
+@pytest.mark.heavy
 def test_a_worker_whose_ray_parent_dies_is_killed(instance, tmp_path):
     """The job supervisor (here: a Python parent) runs the entrypoint in a shell that survives it, as
     Ray's does when only its raylet died; the worker goes within a fraction of a second, with no

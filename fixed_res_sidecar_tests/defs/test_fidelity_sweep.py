@@ -3,6 +3,7 @@ partitions from where it stopped; each of its verifications compares rows not co
 shard stays complete (its crop_bbox stays current)."""
 
 import dagster as dg
+import pytest
 
 from fixed_res_sidecar.defs.checks import COVERAGE_EVER
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
@@ -51,6 +52,7 @@ def test_the_runs_verify_and_crop_ranges_of_consecutive_shards(tiny_main, tmp_pa
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED and schedule.cron_schedule == "0 * * * *"
 
 
+@pytest.mark.heavy
 def test_a_sweep_run_compares_new_rows_and_the_shard_stays_complete(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     shards = ["s1.parquet", "s2.parquet"]

@@ -327,6 +327,7 @@ def stale_status(defs: dg.Definitions, instance, key: dg.AssetKey, rel: str) -> 
     return CachingStaleStatusResolver(instance, graph, loading_context=view).get_status(key, rel)
 
 
+@pytest.mark.heavy
 def test_a_rewritten_main_shard_is_marked_unsynced_then_rebuilt_verified_and_cropped(tiny_main, tmp_path, instance):
     """Sensor tick -> the shard's outputs are unsynced -> the requested run rebuilds, verifies and
     crops that shard alone -> in sync again; then a removed shard leaves its outputs, and the audit

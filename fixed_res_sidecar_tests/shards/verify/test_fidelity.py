@@ -44,6 +44,7 @@ def damaged_build(sidecar_build: SidecarBuild, resolution: str, kinds: list[str]
     return damages
 
 
+@pytest.mark.heavy
 def test_every_kind_of_damage_fails_naming_shard_key_and_score(sidecar_build):
     location, kinds = sidecar_build.r512, list(DAMAGE)
     undamaged = Path(location.child(REL)).read_bytes()
@@ -96,6 +97,7 @@ def test_the_three_rows_of_the_reported_deploy_fail_and_the_rest_of_the_shard_pa
     [PixelOptions(webp_method=0), PixelOptions(webp_method=6), PixelOptions(output_format="jpeg")],
     ids=["webp_method_0", "webp_method_6", "jpeg"],
 )
+@pytest.mark.heavy
 def test_outputs_of_other_encoder_settings_pass(sidecar_build, options):
     rebuild(sidecar_build, options)
     for resolution in ("512", "1024"):
@@ -104,6 +106,7 @@ def test_outputs_of_other_encoder_settings_pass(sidecar_build, options):
         assert report.check(FIDELITY).metadata["min_score"] >= FIDELITY_MIN_SCORE
 
 
+@pytest.mark.heavy
 def test_sample_none_compares_every_valid_row_and_fidelity_can_be_switched_off(sidecar_build):
     report = sidecar_build.verify("1024", sample=None)
     valid = len(valid_rows(sidecar_build.r1024, REL, sidecar_build.prefixes["1024"]))
@@ -118,6 +121,7 @@ def test_sample_none_compares_every_valid_row_and_fidelity_can_be_switched_off(s
     assert [c.name for c in off.checks] == list(RESIZED_CHECKS) and off.passed
 
 
+@pytest.mark.heavy
 def test_both_resolutions_of_a_shard_share_its_sources_and_renders(sidecar_build):
     """As the pipeline verifies a shard: the second resolution's check reads and renders nothing new,
     and every report is the same as without sharing; a sample over SHARED_ROWS keeps nothing."""

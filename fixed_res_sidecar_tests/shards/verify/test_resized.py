@@ -58,6 +58,7 @@ from fixed_res_sidecar_tests.fixtures.faulty_s3 import (
 )
 
 
+@pytest.mark.heavy
 def test_undamaged_build_passes_every_check(sidecar_build):
     for rel in sidecar_build.main.list_shards():
         rows = pq.ParquetFile(sidecar_build.main.child(rel)).metadata.num_rows
