@@ -24,6 +24,7 @@ end, and the data, the database and its server are removed.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import statistics
@@ -55,7 +56,7 @@ from benchmarks.dagster_scale_metrics import (
     tick_summary,
     timed,
 )
-from fixed_res_sidecar.defs.audit_state import load_audit_state, update_state
+from fixed_res_sidecar.defs.audit_state import AuditState, load_audit_state, save_audit_state, update_state
 from fixed_res_sidecar.defs.config import DEFAULT_SHARDS_PER_RUN, load_config
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
@@ -156,6 +157,7 @@ class ScaleBench:
         self.deployment, self.root, self.options, self.report = deployment, root, options, report
         self.keys = DatasetKeys(BUILT)
         self.shards = data.shard_names(options.partitions)
+        self.first_audit_states: dict[str, AuditState] = {}  # dataset -> the state its first audit left
 
     # -- the deployment ----------------------------------------------------------------------
 
@@ -401,11 +403,16 @@ class ScaleBench:
     def audit_first(self, instance: dg.DagsterInstance, dataset: str) -> dict[str, Any]:
         keys, layout = DatasetKeys(dataset), load_config(self.deployment.datasets_file).dataset(dataset).layout
         seconds, audit = timed(lambda: audit_dataset(instance, keys, layout))  # with its listing of the outputs
+        self.first_audit_states[dataset] = load_audit_state(instance, dataset)
         return {"shards": audit.shards, "first_s": seconds}
 
     def audit_incremental(self, instance: dg.DagsterInstance, dataset: str, row: dict[str, Any]) -> None:
+        """The audit after the shards built since the first one: from the state that audit left (the audits
+        the deployment ran meanwhile, after each run, are set aside)."""
         keys, layout = DatasetKeys(dataset), load_config(self.deployment.datasets_file).dataset(dataset).layout
-        new_events = update_state(instance, keys, load_audit_state(instance, dataset))  # what the audit will read
+        state = self.first_audit_states[dataset]
+        save_audit_state(instance, dataset, state)
+        new_events = update_state(instance, keys, copy.deepcopy(state))  # what the audit will read
         seconds, _ = timed(lambda: audit_dataset(instance, keys, layout))
         row.update(incremental_s=seconds, incremental_events=new_events)
 

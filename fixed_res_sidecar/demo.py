@@ -179,7 +179,8 @@ def register_shards(instance, dataset: DatasetConfig) -> list[str]:
     before = set(instance.get_dynamic_partitions(keys.partitions))
     cursor = None
     while True:
-        cursor = discovery_tick(dataset, instance, cursor, log=logging.getLogger("sidecar-demo")).cursor
+        log = logging.getLogger("sidecar-demo")
+        cursor = discovery_tick(dataset, instance, cursor, log=log, daemon_applies=False).cursor
         if ShardCursor.parse(cursor).after is None:
             return [rel for rel in instance.get_dynamic_partitions(keys.partitions) if rel not in before]
 

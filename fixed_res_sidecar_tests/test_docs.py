@@ -189,8 +189,14 @@ def test_the_documented_test_commands_select_their_tests():
     assert fast.returncode == 0 and collected, fast.stdout[-2000:] + fast.stderr[-2000:]
     assert "fixed_res_sidecar_tests/test_docs.py::test_commands_are_read_as_the_docs_write_them" in collected
     assert "fixed_res_sidecar_tests/test_docs.py::test_the_documented_test_commands_select_their_tests" not in collected
-    slow_modules = ("test_deploy_instance.py", "test_deploy_ray_cluster.py", "test_image.py", "cli/test_ui.py")
+    slow_modules = ("test_deploy_instance.py", "test_deploy_ray_cluster.py", "test_image.py", "cli/test_ui_operator.py")
     assert not [line for line in collected if line.split("::")[0].endswith(slow_modules)]
+    assert (
+        "fixed_res_sidecar_tests/cli/test_ui.py::test_an_auditor_sees_the_truth_in_the_ui" not in collected
+    )  # a browser
+    assert any(
+        line.startswith("fixed_res_sidecar_tests/cli/test_ui.py::") for line in collected
+    )  # `sidecar-ops ui` alone
     one = subprocess.run(
         ["python3", "-m", "pytest", "-q", "fixed_res_sidecar_tests/defs/test_ledger.py"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

@@ -3,9 +3,9 @@
 - `<name>__audit_after_runs` (a sensor; running by default, `audit.after_runs` in the datasets file)
   looks every `AFTER_RUNS_INTERVAL_SECONDS` for runs of the dataset that ended since its cursor
   (succeeded, failed or canceled; every run of a dataset carries its dataset tag, also those launched
-  from an asset page: defs/run_coordinator.py) and requests one audit run for all of them, unless an
-  audit run is already waiting to start, which will read them anyway. Audit runs do not count (an
-  audit does not call for another). A failed backfill run therefore shows in the audit within a
+  from an asset page: defs/run_coordinator.py), or backfills of it that ended, and requests one audit
+  run for all of them, unless an audit run is already waiting to start, which will read them anyway.
+  Audit runs do not count (an audit does not call for another). A failed backfill run therefore shows in the audit within a
   minute, without a click; each audit reads only what was recorded since the previous one
   (defs/dataset_audit.py).
 - `<name>__audit_hourly` (a schedule; `audit.cron`, hourly by default) audits whatever happened.
@@ -23,7 +23,8 @@ from datetime import UTC, datetime
 import dagster as dg
 
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.dataset_audit import is_audit_run
+from fixed_res_sidecar.defs.dagster_private import BulkActionsFilter, BulkActionStatus
+from fixed_res_sidecar.defs.dataset_audit import is_audit_run, targets_dataset
 from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar.defs.run_resources import launcher_tags
 
@@ -34,6 +35,14 @@ AUDIT_AFTER_TAG = "fixed_res_sidecar/audit_after"  # the runs (ids' first 8 char
 ENDED = [dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED]
 WAITING = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING]
 PAGE = 1000  # run records read per tick (the cursor moves on; the next tick reads the rest)
+BACKFILL_ENDED = [
+    BulkActionStatus.COMPLETED_SUCCESS,
+    BulkActionStatus.COMPLETED_FAILED,
+    BulkActionStatus.COMPLETED,
+    BulkActionStatus.FAILED,
+    BulkActionStatus.CANCELED,
+]
+BACKFILLS_READ = 50  # the latest ended backfills looked at per tick
 # What an audit run needs: it reads the event log incrementally and keeps a ledger per shard (a few
 # megabytes of JSON at 100,000 shards).
 AUDIT_CPU, AUDIT_MEMORY_GB = 1, 2
@@ -93,14 +102,22 @@ def after_runs_tick(instance: dg.DagsterInstance, keys: DatasetKeys, cursor: str
         ascending=True,
     )
     ended = [
-        (record, end)
+        (record.dagster_run.run_id[:8], end)
         for record in records
         if (end := _ended_at(record)) > since and not is_audit_run(record.dagster_run, keys)
+    ]
+    # A backfill is under way until the backfill daemon closes it, after its last run ended (up to 30 s
+    # later): its end calls for an audit too, or the last one would say "under way" until the next hour.
+    backfills = instance.get_backfills(filters=BulkActionsFilter(statuses=BACKFILL_ENDED), limit=BACKFILLS_READ)
+    ended += [
+        (f"backfill {backfill.backfill_id}", end)
+        for backfill in backfills
+        if (end := backfill.backfill_end_timestamp or 0) > since and targets_dataset(backfill, keys)
     ]
     if not ended:
         return dg.SensorResult(skip_reason="no run of the dataset ended since the last audit request", cursor=cursor)
     latest = max(end for _, end in ended)
-    runs = ", ".join(record.dagster_run.run_id[:8] for record, _ in ended[:10])
+    runs = ", ".join(name for name, _ in ended[:10])
     waiting = [
         run for run in instance.get_runs(dg.RunsFilter(statuses=WAITING, job_name=keys.audit_job), limit=10)
     ]  # fmt: skip

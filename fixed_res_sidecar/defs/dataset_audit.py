@@ -448,7 +448,7 @@ def _under_way(instance: dg.DagsterInstance, keys: DatasetKeys, own_run_id: str 
     backfills = [
         backfill
         for backfill in instance.get_backfills(filters=BulkActionsFilter(statuses=[BulkActionStatus.REQUESTED]))
-        if _targets(backfill, keys)
+        if targets_dataset(backfill, keys)
     ]
     if not runs and not backfills:
         return None
@@ -461,7 +461,8 @@ def is_audit_run(run: dg.DagsterRun, keys: DatasetKeys) -> bool:
     return run.job_name == keys.audit_job or set(run.asset_selection or ()) == {keys.audit}
 
 
-def _targets(backfill, keys: DatasetKeys) -> bool:
+def targets_dataset(backfill, keys: DatasetKeys) -> bool:
+    """Whether a backfill builds the dataset's shards (its assets, its job or its tag)."""
     if backfill.asset_selection:
         return any(key.path[0] == keys.dataset for key in backfill.asset_selection)
     return backfill.tags.get(DATASET_TAG) == keys.dataset or (backfill.job_name or "").startswith(f"{keys.dataset}__")

@@ -198,6 +198,8 @@ class ShardLedger:
         output, verification = self.latest(resized(resolution)), self.latest(verifier(resolution))
         if output is None:
             return f"its {resolution} output was never built"
+        if failure := self.failed_since_built(resolution):  # a failed verification is no materialization
+            return failure
         if verification is None:
             return f"its {resolution} output was never verified"
         if verification.order < output.order:

@@ -257,10 +257,12 @@ def discovery_tick(
     cursor: str | None,
     observe_threads: int = 16,
     log=None,
+    daemon_applies: bool = True,
 ) -> dg.SensorResult:
     """One discovery tick: list, record what changed in the instance (`record_discovery`), and return the
     run requests for the new and changed shards (and for those an earlier tick requested that were never
-    applied) with the cursor. Used by the sensor and the demo."""
+    applied) with the cursor. Used by the sensor and the demo; `daemon_applies` False: the caller runs
+    the shards itself (the demo), so no later tick may request them again."""
     keys = DatasetKeys(dataset.name)
     if problem := dataset.main_problem():  # the tick fails, naming the folder; nothing is recorded as removed
         raise LocationError(problem)
@@ -302,8 +304,9 @@ def discovery_tick(
             log.info(f"changed (to be rebuilt): {_named(found.changed)}")
     found.cursor.tick = max(position.tick, pending.get("tick", 0)) + 1
     # Kept first: whatever fails from here on, the next tick requests these shards again.
+    pending_rels = requested if daemon_applies else []
     history.save_json(
-        instance, PENDING_KEY.format(dataset=dataset.name), {"tick": found.cursor.tick, "rels": requested}
+        instance, PENDING_KEY.format(dataset=dataset.name), {"tick": found.cursor.tick, "rels": pending_rels}
     )
     record_discovery(instance, keys, found, main_events(keys, dataset.main, found, observe_threads))
     # New partitions were added in listing order, after the known ones: that is their order from now on.

@@ -287,8 +287,9 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert automation.get_requested_partitions(KEYS.crop_bbox) == {good}
     assert automation.total_requested == 1  # nothing else: the verifiers ran after their inputs
 
-    # In the same run: the whole shard job; the damaged shard stops at its verifier.
-    bad_run = run_shard(tiny_defs, instance, "tiny__build_shards", bad)
+    # In the same run: verified again and cropped; the damaged shard stops at its verifier. (A run that
+    # also builds it rebuilds the output its verification failed on: test_wrong_pictures_... below.)
+    bad_run = run_shard(tiny_defs, instance, "tiny__build_shards", bad, selection=[*verifiers, KEYS.crop_bbox])
     assert "keys_match" in refusal(bad_run, bad)  # no crop_bbox, and why
     good_run = run_shard(tiny_defs, instance, "tiny__build_shards", good)
     assert good_run.success and KEYS.crop_bbox in materialized(good_run)
@@ -300,7 +301,9 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert automation.get_requested_partitions(KEYS.crop_bbox) == set() and automation.total_requested == 0
     alone = run_shard(tiny_defs, instance, "tiny__build_shards", bad, selection=[KEYS.crop_bbox])
     message = refusal(alone, bad)
-    assert "gated on the verifiers" in message and "verify_512:keys_match failed" in message
+    assert (
+        "gated on the verifiers" in message and "its 512 output failed" in message and "when it was verified" in message
+    )
     assert not dataset.output("crop_bbox").exists(bad)
     # The sidecar's checks are not claimed failed: they did not run on anything new.
     crop_checks = [dg.AssetCheckKey(KEYS.crop_bbox, name) for name in verify.CROP_BBOX_CHECKS]

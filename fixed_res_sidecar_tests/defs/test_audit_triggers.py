@@ -4,6 +4,7 @@ import time
 
 import dagster as dg
 
+from fixed_res_sidecar.defs import dagster_private as private
 from fixed_res_sidecar.defs.audit_triggers import (
     AUDIT_AFTER_TAG,
     AUDIT_PRIORITY,
@@ -34,6 +35,29 @@ def ended_run(instance, defs: dg.Definitions, job: str, status: dg.DagsterRunSta
     return run
 
 
+def ended_backfill(instance) -> str:
+    """A backfill of the dataset's shard assets that the backfill daemon closed just now."""
+    from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+
+    instance.add_dynamic_partitions(KEYS.partitions, ["a.parquet"])
+    partitions = dg.DynamicPartitionsDefinition(name=KEYS.partitions)
+    request = private.backfill_request(partitions, dict.fromkeys(KEYS.shard_assets, ("a.parquet",)), {})
+    backfill = PartitionBackfill.from_asset_graph_subset(
+        backfill_id="closed1",
+        dynamic_partitions_store=instance,
+        backfill_timestamp=time.time(),
+        asset_graph_subset=request.asset_graph_subset,
+        tags={},
+        title=None,
+        description=None,
+        run_config=None,
+    )
+    instance.add_backfill(backfill)
+    closed = backfill.with_status(BulkActionStatus.COMPLETED_FAILED).with_end_timestamp(time.time())
+    instance.update_backfill(closed)
+    return closed.backfill_id
+
+
 def test_each_run_that_ends_is_audited_once_and_audits_do_not_call_for_audits(tiny_defs, instance):
     first = after_runs_tick(instance, KEYS, None)
     assert first.skip_reason is not None and first.cursor  # starts now: earlier runs are the schedule's
@@ -54,6 +78,14 @@ def test_each_run_that_ends_is_audited_once_and_audits_do_not_call_for_audits(ti
 
     ended_run(instance, tiny_defs, KEYS.audit_job, dg.DagsterRunStatus.SUCCESS)  # the audit itself
     assert after_runs_tick(instance, KEYS, again.cursor).run_requests == []
+
+    # A backfill is under way until the daemon closes it, after its last run: its end calls for an audit.
+    backfill = ended_backfill(instance)
+    closed = after_runs_tick(instance, KEYS, again.cursor)
+    (request,) = closed.run_requests
+    assert request.tags[AUDIT_AFTER_TAG] == f"backfill {backfill}"
+    again = after_runs_tick(instance, KEYS, closed.cursor)
+    assert again.run_requests == []  # once
 
     # An audit run waiting to start reads what ended meanwhile: no second one.
     instance.create_run_for_job(
@@ -176,5 +208,23 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
             for e in instance.all_logs(following.dagster_run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
         }
         assert not checks[DATASET_AUDIT_CHECK].passed and "z-broken.parquet" in checks[DATASET_AUDIT_CHECK].description
+
+        # Once the backfill daemon closed the backfill (up to 30 s after its last run), an audit judges
+        # completeness again: nothing is under way.
+        closed_at = instance.get_backfill(backfill_id).backfill_end_timestamp
+
+        def audit_after_backfill():
+            records = instance.get_run_records(
+                dg.RunsFilter(job_name=keys.audit_job, statuses=[dg.DagsterRunStatus.SUCCESS])
+            )
+            return next((r for r in records if backfill_id in r.dagster_run.tags.get(AUDIT_AFTER_TAG, "")), None)
+
+        closing = wait_until(audit_after_backfill, 3 * 60, "the audit after the backfill ended",
+                             detail=dagster_deployment.report)  # fmt: skip
+        assert closing.create_timestamp.timestamp() - closed_at <= 60
+        checks = {
+            e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data
+            for e in instance.all_logs(closing.dagster_run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
+        }
         assert not checks[DATASET_COMPLETE_CHECK].passed  # judged again: nothing is under way
         print(f"\naudit requested {following.create_timestamp.timestamp() - last.end_time:.1f} s after the last run")

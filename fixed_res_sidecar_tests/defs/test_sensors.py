@@ -193,6 +193,17 @@ def test_requests_the_daemon_did_not_apply_are_made_again(tiny_main, tmp_path, i
     assert requested(removed_since, instance, "tiny") == ["nested/x/part-b.parquet"]
 
 
+def test_after_the_demo_registered_the_shards_itself_the_sensor_requests_none_of_them(tiny_main, tmp_path, instance):
+    """Reported: the demo's ticks (in process; it runs the shards itself) left their shards pending, so the
+    live sensor, on a cursor of its own, requested every one of them again: runs nobody asked for."""
+    from fixed_res_sidecar.demo import register_shards
+
+    dataset = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out")).datasets[0]
+    assert register_shards(instance, dataset) == sorted(TINY_SHARDS)
+    live = tick(discovery_sensor(dataset), instance, None)
+    assert not live.run_requests and "no new, changed or removed shards" in str(live.skip_reason)
+
+
 def test_shards_that_cannot_be_keys_are_refused_and_logged(tmp_path, instance):
     main = Location.parse(tmp_path / "main")
     write_stub_shards(main, ["good.parquet", "bad,name.parquet", "odd...name.parquet"])
