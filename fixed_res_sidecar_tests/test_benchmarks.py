@@ -268,21 +268,21 @@ def test_fidelity_reports_score_distributions_and_verifier_cost(tmp_path, capsys
     from benchmarks.damage import DAMAGE
     from benchmarks.fidelity import GOOD, MODERATE, SINGLE
 
-    args = ["--fidelity", "--fidelity-quick", "--fidelity-rows", "18", "--profile", "tiny"]
+    args = ["--fidelity", "--fidelity-quick", "--fidelity-rows", "9", "--profile", "tiny"]
     report = cli.main([*args, "--workdir", str(tmp_path / "work")])["fidelity"]
     scores = report["scores"]
     assert set(scores["summary"]) == {*GOOD, SINGLE, *DAMAGE, *MODERATE}
     assert scores["lowest_good"] > scores["threshold"] > scores["highest_damage"]
     assert all(values["n"] >= 1 for values in scores["summary"].values())
     cost = report["cost"]
-    assert cost["rows"] == 18 and cost["build_cpu_s"] > 0 and len(cost["verify_cpu_s"]) == 3
+    assert cost["rows"] == 9 and cost["build_cpu_s"] > 0 and len(cost["verify_cpu_s"]) == 3
     assert all(share > 0 for share in cost["verify_share_of_build_1000_rows"].values())
-    # Rolling coverage: 18 valid rows, a window of 8: every row compared after ceil(18 / 8) = 3 verifications.
+    # Rolling coverage: 9 valid rows, a window of 8: every row compared after ceil(9 / 8) = 2 verifications.
     walk = report["coverage"]
-    assert walk["comparable"] == {"512": 18, "1024": 18}
-    assert walk["verifications_to_full_coverage"] == walk["expected"] == 3
+    assert walk["comparable"] == {"512": 9, "1024": 9}
+    assert walk["verifications_to_full_coverage"] == walk["expected"] == 2
     assert walk["cpu_s_per_verification"] > 0 and walk["sweep_shard_verifications_per_hour"] > 0
     printed = capsys.readouterr().out
     assert "Fidelity scores" in printed and "lowest good" in printed and "share at 1,000 rows" in printed
     assert "Moderate damage per source" in printed and "transparency_png" in printed
-    assert "every row compared after 3 verifications" in printed and "Fidelity sweep at 600 CPU s per hour" in printed
+    assert "every row compared after 2 verifications" in printed and "Fidelity sweep at 600 CPU s per hour" in printed

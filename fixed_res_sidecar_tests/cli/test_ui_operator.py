@@ -255,8 +255,8 @@ def test_the_repair_takes_three_clicks_and_the_audit_passes_within_a_minute(live
     job.get_by_text("Materialize all").first.wait_for(timeout=60_000)
     clicks.click(job.get_by_text("Materialize all").first)
     job.get_by_text("Partition selection").first.wait_for(timeout=60_000)
-    dialog = job.inner_text("body")
-    assert "1 partition" in dialog  # exactly the failed shard, nothing typed
+    # The dialog opens on "0 partitions" and takes the link's selection once the job's partitions load.
+    job.get_by_text("1 partition", exact=True).first.wait_for(timeout=30_000)  # the failed shard, nothing typed
     launch = job.get_by_role("button", name="Launch 1 run")
     launch.wait_for(timeout=30_000)
     launched_at = time.time()
