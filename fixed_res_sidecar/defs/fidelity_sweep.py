@@ -24,9 +24,9 @@ from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.audit_state import load_audit_state
 from fixed_res_sidecar.defs.checks import VERIFY_CPU_SECONDS
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.ledger import ShardState
 from fixed_res_sidecar.defs.names import RESOLUTION_NAMES, SWEEP_TAG, DatasetKeys
+from fixed_res_sidecar.defs.partitions import consecutive_ranges, range_tags
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 
 CRON = "0 * * * *"  # hourly: the budget is per hour
@@ -117,26 +117,14 @@ def sweep_requests(dataset: DatasetConfig, order: Sequence[str], chosen: Sequenc
     """Runs of the verifiers and crop_bbox over `chosen`: ranges of consecutive partitions (in `order`), at
     most `shards_per_run` each, tagged as the sweep's."""
     keys = DatasetKeys(dataset.name)
-    position = {rel: i for i, rel in enumerate(order)}
-    ranges: list[list[str]] = []
-    for rel in sorted(chosen, key=position.__getitem__):
-        batch = ranges[-1] if ranges else None
-        if batch and position[rel] == position[batch[-1]] + 1 and len(batch) < dataset.shards_per_run:
-            batch.append(rel)
-        else:
-            ranges.append([rel])
     selection = [*(keys.verify(r) for r in RESOLUTION_NAMES), keys.crop_bbox]
     tags = {**dataset_run_tags(dataset), SWEEP_TAG: "true"}
-    requests = []
-    for batch in ranges:
-        first, last = batch[0], batch[-1]
-        range_tags = {ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last}
-        requests.append(
-            dg.RunRequest(
-                run_key=None,
-                partition_key=first if first == last else None,
-                asset_selection=selection,
-                tags=tags if first == last else {**tags, **range_tags},
-            )
+    return [
+        dg.RunRequest(
+            run_key=None,
+            partition_key=batch[0] if len(batch) == 1 else None,
+            asset_selection=selection,
+            tags={**tags, **range_tags(batch)},
         )
-    return requests
+        for batch in consecutive_ranges(chosen, order, dataset.shards_per_run)
+    ]

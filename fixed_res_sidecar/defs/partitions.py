@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import dagster as dg
 
+from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.names import DatasetKeys
 
 # Adding keys in chunks keeps each storage write bounded (DAGSTER_NOTES: <= 10k at a time).
@@ -66,3 +67,25 @@ def retire_requests(
 ) -> list[dg.DeleteDynamicPartitionsRequest]:
     """Requests that delete the partitions of shards removed from main, at most ADD_CHUNK keys each."""
     return [partitions.build_delete_request(chunk) for chunk in chunks(list(removed_keys))]
+
+
+def consecutive_ranges(rels: Iterable[str], order: Sequence[str], size: int) -> list[list[str]]:
+    """`rels` grouped into runs of consecutive partitions (in `order`, the order they were added), at most
+    `size` each: what one run request covers."""
+    position = {rel: i for i, rel in enumerate(order)}
+    ranges: list[list[str]] = []
+    for rel in sorted(rels, key=position.__getitem__):
+        batch = ranges[-1] if ranges else None
+        if batch and position[rel] == position[batch[-1]] + 1 and len(batch) < size:
+            batch.append(rel)
+        else:
+            ranges.append([rel])
+    return ranges
+
+
+def range_tags(batch: Sequence[str]) -> dict[str, str]:
+    """The tags of a run over `batch` (from `consecutive_ranges`): none for one partition (the request
+    names it), else its first and last partition."""
+    if len(batch) == 1:
+        return {}
+    return {ASSET_PARTITION_RANGE_START_TAG: batch[0], ASSET_PARTITION_RANGE_END_TAG: batch[-1]}

@@ -46,13 +46,17 @@ from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.defs import history
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.dagster_private import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
     backfill_request,
     store_runless_events,
 )
 from fixed_res_sidecar.defs.names import DatasetKeys
-from fixed_res_sidecar.defs.partitions import chunks, partition_key_problem, shard_partitions
+from fixed_res_sidecar.defs.partitions import (
+    chunks,
+    consecutive_ranges,
+    partition_key_problem,
+    range_tags,
+    shard_partitions,
+)
 from fixed_res_sidecar.defs.resources import SidecarRuntime
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
 from fixed_res_sidecar.io.locations import Location, LocationError
@@ -211,26 +215,16 @@ def shard_run_requests(dataset: DatasetConfig, rels: list[str], order: Sequence[
     `order`, the order they were added), at most `shards_per_run` of them. More than
     `BACKFILL_ABOVE_RUNS` such runs: one backfill of `rels` instead."""
     keys, tags = DatasetKeys(dataset.name), dataset_run_tags(dataset)
-    position = {rel: i for i, rel in enumerate(order)}
-    ranges: list[list[str]] = []
-    for rel in sorted(rels, key=position.__getitem__):
-        batch = ranges[-1] if ranges else None
-        if batch and position[rel] == position[batch[-1]] + 1 and len(batch) < dataset.shards_per_run:
-            batch.append(rel)
-        else:
-            ranges.append([rel])
+    ranges = consecutive_ranges(rels, order, dataset.shards_per_run)
     if len(ranges) > BACKFILL_ABOVE_RUNS:
         shards = [rel for batch in ranges for rel in batch]
         return [backfill_request(shard_partitions(keys), dict.fromkeys(keys.shard_assets, shards), tags)]
-    requests = []
-    for batch in ranges:
-        first, last = batch[0], batch[-1]
-        if first == last:
-            requests.append(dg.RunRequest(run_key=None, partition_key=first, tags=tags))
-        else:
-            range_tags = {ASSET_PARTITION_RANGE_START_TAG: first, ASSET_PARTITION_RANGE_END_TAG: last}
-            requests.append(dg.RunRequest(run_key=None, tags={**tags, **range_tags}))
-    return requests
+    return [
+        dg.RunRequest(
+            run_key=None, partition_key=batch[0] if len(batch) == 1 else None, tags={**tags, **range_tags(batch)}
+        )
+        for batch in ranges
+    ]
 
 
 def record_discovery(
