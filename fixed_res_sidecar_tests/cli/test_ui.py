@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -66,14 +68,44 @@ def run_batch(defs: dg.Definitions, instance) -> dg.ExecuteInProcessResult:
     )
 
 
+@contextmanager
+def demo_environment(workdir: Path) -> Iterator[None]:
+    """The demo run as a user would: no DAGSTER_HOME of the test's, its record of itself (XDG_STATE_HOME)
+    beside `workdir`; both restored afterwards."""
+    saved = {name: os.environ.pop(name, None) for name in ("DAGSTER_HOME", "XDG_STATE_HOME")}
+    os.environ["XDG_STATE_HOME"] = str(workdir.parent / "state")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+@contextmanager
+def detached_ui(workdir: Path) -> Iterator[str]:
+    """`sidecar-ops ui --detach` on a demo work dir, yielding its URL; stopped at the end, with everything
+    it started (webserver, daemon, code server)."""
+    port = free_port()
+    started = sidecar_ops("ui", "--workdir", str(workdir), "--port", str(port), "--detach", cwd=workdir.parent)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
+    pid = int((workdir / "dagster_home" / "dagster-dev.pid").read_text())
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stopped = sidecar_ops("ui", "--workdir", str(workdir), "--stop", cwd=workdir.parent)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        survivors = family(pid)  # zombies have exited
+        assert not survivors, describe(survivors)
+
+
 @pytest.fixture(scope="module")
 def audited_demo(tmp_path_factory) -> Path:
     """A demo work dir whose shard DAMAGED failed its verifier; the audit ran afterwards."""
     workdir = tmp_path_factory.mktemp("ui") / "sidecar-demo"
-    previous = os.environ.pop("DAGSTER_HOME", None)
-    state = os.environ.get("XDG_STATE_HOME")
-    os.environ["XDG_STATE_HOME"] = str(workdir.parent / "state")  # the demo's record of itself stays here
-    try:
+    with demo_environment(workdir):
         summary = demo.run_demo(workdir, shards=2, rows_per_shard=6, say=lambda _: None)
         assert summary.ok, demo.format_summary(summary)
         dataset = load_config(summary.config_file).dataset("sample")
@@ -84,33 +116,14 @@ def audited_demo(tmp_path_factory) -> Path:
             # its up-to-date neighbour is restated.
             assert not run_batch(defs, instance).success
             defs.resolve_job_def(KEYS.audit_job).execute_in_process(instance=instance, run_config=QUIET)
-    finally:
-        if previous is not None:
-            os.environ["DAGSTER_HOME"] = previous
-        if state is None:
-            os.environ.pop("XDG_STATE_HOME", None)
-        else:
-            os.environ["XDG_STATE_HOME"] = state
     return workdir
 
 
 @pytest.fixture(scope="module")
 def ui(audited_demo):
     """`sidecar-ops ui --detach` on the demo; stopped (with everything it started) at the end."""
-    port = free_port()
-    started = sidecar_ops(
-        "ui", "--workdir", str(audited_demo), "--port", str(port), "--detach", cwd=audited_demo.parent
-    )
-    assert started.returncode == 0, started.stdout + started.stderr
-    assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
-    pid = int((audited_demo / "dagster_home" / "dagster-dev.pid").read_text())
-    try:
-        yield f"http://127.0.0.1:{port}", audited_demo
-    finally:
-        stopped = sidecar_ops("ui", "--workdir", str(audited_demo), "--stop", cwd=audited_demo.parent)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        survivors = family(pid)  # webserver, daemon and code server (zombies have exited)
-        assert not survivors, describe(survivors)
+    with detached_ui(audited_demo) as url:
+        yield url, audited_demo
 
 
 @pytest.fixture(scope="module")

@@ -25,13 +25,12 @@ from fixed_res_sidecar_tests.cli.test_ui import (  # noqa: F401 (browser: a fixt
     Page,
     browser,
     check_partitions,
-    free_port,
+    demo_environment,
+    detached_ui,
     shards_with_status,
-    sidecar_ops,
 )
 from fixed_res_sidecar_tests.defs.conftest import QUIET
 from fixed_res_sidecar_tests.fixtures.datasets import damage_resized_images, valid_rows
-from fixed_res_sidecar_tests.fixtures.processes import describe, family
 
 KEYS = DatasetKeys("sample")
 WRONG = "part-00001.parquet"  # two wrong pictures in its 512 output
@@ -43,9 +42,7 @@ MINUTE = 60.0
 @pytest.fixture(scope="module")
 def damaged_demo(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("operator") / "sidecar-demo"
-    saved = {name: os.environ.pop(name, None) for name in ("DAGSTER_HOME", "XDG_STATE_HOME")}
-    os.environ["XDG_STATE_HOME"] = str(workdir.parent / "state")
-    try:
+    with demo_environment(workdir):
         summary = demo.run_demo(workdir, shards=3, rows_per_shard=8, say=lambda _: None)
         assert summary.ok, demo.format_summary(summary)
         config = load_config(summary.config_file)
@@ -69,29 +66,13 @@ def damaged_demo(tmp_path_factory) -> Path:
                 )
             )
             assert not verified.success
-    finally:
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
     return workdir
 
 
 @pytest.fixture(scope="module")
 def live_ui(damaged_demo):
-    port = free_port()
-    started = sidecar_ops(
-        "ui", "--workdir", str(damaged_demo), "--port", str(port), "--detach", cwd=damaged_demo.parent
-    )
-    assert started.returncode == 0, started.stdout + started.stderr
-    pid = int((damaged_demo / "dagster_home" / "dagster-dev.pid").read_text())
-    try:
-        yield f"http://127.0.0.1:{port}", damaged_demo
-    finally:
-        stopped = sidecar_ops("ui", "--workdir", str(damaged_demo), "--stop", cwd=damaged_demo.parent)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-        survivors = family(pid)
-        assert not survivors, describe(survivors)
+    with detached_ui(damaged_demo) as url:
+        yield url, damaged_demo
 
 
 def instance_of(workdir: Path) -> dg.DagsterInstance:
