@@ -1,4 +1,7 @@
+import os
+import resource
 import sqlite3
+import time
 
 import pytest
 from sqlalchemy import event
@@ -68,3 +71,22 @@ def _xdist_group(item: pytest.Item) -> str | None:
 def _sqlite_without_sync(connection, _record) -> None:
     if isinstance(connection, sqlite3.Connection):
         connection.execute("PRAGMA synchronous=OFF")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that ended (servers a fixture started and stopped)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """SIDECAR_TEST_CPU=FILE: one line per test (CPU seconds, wall seconds, test id) appended to FILE, to
+    see where the suite's CPU goes (docs/testing.md). Processes that outlive their fixture's teardown or
+    detach from it (a container's) are not counted."""
+    report = os.environ.get("SIDECAR_TEST_CPU")
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    if report:
+        with open(report, "a") as out:  # short lines in append mode: the workers' lines never mix
+            out.write(f"{_cpu_seconds() - cpu:.1f}\t{time.monotonic() - wall:.1f}\t{item.nodeid}\n")

@@ -11,6 +11,7 @@ on this machine, each with why.
 import ast
 import json
 import os
+import re
 import subprocess
 from functools import cache
 from pathlib import Path
@@ -236,3 +237,20 @@ def test_commands_are_read_as_the_docs_write_them(tmp_path):
     blocks = documented_blocks([doc])
     assert [b.commands for b in blocks] == [["setup", "run --a 'x # not a comment' --b 2", "cat > f <<'END'"], ["one"]]
     assert Path(blocks[1].path).name == "doc.md" and blocks[0].line == 3
+
+
+@pytest.mark.slow  # a pytest run in a new process
+def test_the_suite_reports_each_tests_cpu_when_asked(tmp_path):
+    """docs/testing.md: SIDECAR_TEST_CPU=FILE appends one line per test: CPU seconds, wall seconds, test id."""
+    report = tmp_path / "cpu.tsv"
+    env = {**os.environ, "SIDECAR_TEST_CPU": str(report), "PYTEST_ADDOPTS": "-n 0"}
+    done = subprocess.run(
+        ["python3", "-m", "pytest", "-q", "fixed_res_sidecar_tests/defs/test_ledger.py"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line.split("\t") for line in report.read_text().splitlines()]
+    passed = int(re.search(r"(\d+) passed", done.stdout)[1])
+    assert len(rows) == passed > 0
+    assert all(float(cpu) >= 0 and float(wall) >= 0 for cpu, wall, _ in rows)
+    assert {test.split("::")[0] for _, _, test in rows} == {"fixed_res_sidecar_tests/defs/test_ledger.py"}
