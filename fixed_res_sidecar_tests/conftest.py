@@ -91,8 +91,9 @@ def _cpu_seconds() -> float:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
     """SIDECAR_TEST_CPU=FILE: one line per test (CPU seconds, wall seconds, test id) appended to FILE, to
-    see where the suite's CPU goes (docs/testing.md). Processes that outlive their fixture's teardown or
-    detach from it (a container's) are not counted."""
+    see where the suite's CPU goes (docs/testing.md). A child's CPU counts when it is reaped (one a test
+    left unwaited counts in a later test of the worker); detached processes (a container's, the nodes of
+    `ray start`) are not counted."""
     report = os.environ.get("SIDECAR_TEST_CPU")
     cpu, wall = _cpu_seconds(), time.monotonic()
     yield

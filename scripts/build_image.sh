@@ -103,7 +103,7 @@ cp pyproject.toml README.md "$CONTEXT/"
 cp deploy/Containerfile deploy/check_image.py "$CONTEXT/deploy/"
 # What the image installs besides the package: the dependencies and the ray and deploy extras (the
 # Containerfile's dependency layer, kept while they stay the same).
-"$PYTHON" -c 'import sys, tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; extras = p["optional-dependencies"]; print("\n".join(["setuptools>=68", "wheel", *p["dependencies"], *extras["ray"], *extras["deploy"]]))' >"$CONTEXT/deploy/requirements.txt"
+"$PYTHON" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; extras = p["optional-dependencies"]; print("\n".join(["setuptools>=68", "wheel", *p["dependencies"], *extras["ray"], *extras["deploy"]]))' >"$CONTEXT/deploy/requirements.txt"
 tar -c --exclude=__pycache__ --exclude='*.pyc' fixed_res_sidecar | tar -x -C "$CONTEXT"
 base_id=$("$ENGINE" image inspect --format '{{.Id}}' "$BASE_IMAGE" 2>/dev/null || echo "$BASE_IMAGE")
 KEY=$( (cd "$CONTEXT" && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum; echo "$base_id") | sha256sum | cut -c1-16)

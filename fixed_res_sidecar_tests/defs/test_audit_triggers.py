@@ -1,6 +1,8 @@
 """defs/audit_triggers.py: an audit is requested after every run of the dataset that ends, once."""
 
+import subprocess
 import time
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -173,6 +175,12 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
             assert instance.get_run_by_id(held.run_id).status is dg.DagsterRunStatus.STARTED  # still under way
         finally:
             os.kill(pid, signal.SIGCONT)
+        # From here on only the after-runs sensor makes audits. An audit already waiting to start when runs
+        # end reads them, so the sensor asks for none then (after_runs_tick): the audit that reads a run
+        # is the first of the sensor's to start after it ended, whether it names that run or not.
+        stop = ["dagster", "schedule", "stop", keys.audit_schedule, "-w", str(dagster_deployment.workspace_file)]
+        stopped = subprocess.run(stop, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
         evaluations = {
             e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data
             for e in instance.all_logs(scheduled.dagster_run.run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)
@@ -192,16 +200,19 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
         assert last.dagster_run.tags.get("dagster/partition") == "z-broken.parquet"
         assert last.dagster_run.status is dg.DagsterRunStatus.FAILURE
 
-        def audit_after_last():
-            records = instance.get_run_records(
-                dg.RunsFilter(job_name=keys.audit_job, statuses=[dg.DagsterRunStatus.SUCCESS])
-            )
-            return next(
-                (r for r in records if last.dagster_run.run_id[:8] in r.dagster_run.tags.get(AUDIT_AFTER_TAG, "")), None
-            )
+        def sensor_audit_started_after(moment: float) -> Callable[[], dg.RunRecord | None]:
+            def first() -> dg.RunRecord | None:
+                records = instance.get_run_records(
+                    dg.RunsFilter(job_name=keys.audit_job, statuses=[dg.DagsterRunStatus.SUCCESS])
+                )
+                started = [r for r in records if AUDIT_AFTER_TAG in r.dagster_run.tags and r.start_time >= moment]
+                return min(started, key=lambda r: r.start_time, default=None)
 
-        following = wait_until(audit_after_last, 3 * 60, "the audit after the backfill's last run",
-                               detail=dagster_deployment.report)  # fmt: skip
+            return first
+
+        following = wait_until(sensor_audit_started_after(last.end_time), 3 * 60,
+                               "the audit after the backfill's last run", detail=dagster_deployment.report)  # fmt: skip
+        # Requested within a minute of the run's end (or waiting already when it ended).
         assert following.create_timestamp.timestamp() - last.end_time <= 60
         checks = {
             e.dagster_event.event_specific_data.check_name: e.dagster_event.event_specific_data
@@ -213,13 +224,7 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
         # completeness again: nothing is under way.
         closed_at = instance.get_backfill(backfill_id).backfill_end_timestamp
 
-        def audit_after_backfill():
-            records = instance.get_run_records(
-                dg.RunsFilter(job_name=keys.audit_job, statuses=[dg.DagsterRunStatus.SUCCESS])
-            )
-            return next((r for r in records if backfill_id in r.dagster_run.tags.get(AUDIT_AFTER_TAG, "")), None)
-
-        closing = wait_until(audit_after_backfill, 3 * 60, "the audit after the backfill ended",
+        closing = wait_until(sensor_audit_started_after(closed_at), 3 * 60, "the audit after the backfill ended",
                              detail=dagster_deployment.report)  # fmt: skip
         assert closing.create_timestamp.timestamp() - closed_at <= 60
         checks = {
