@@ -30,7 +30,7 @@ from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG
 from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RAY_CONFIG_TAG
 from fixed_res_sidecar_tests.defs.conftest import register
-from fixed_res_sidecar_tests.fixtures.dagster_deployment import InstanceSettings, wait_until
+from fixed_res_sidecar_tests.fixtures.dagster_deployment import InstanceSettings, run_states, wait_until
 from fixed_res_sidecar_tests.fixtures.postgres import fresh_database
 from fixed_res_sidecar_tests.fixtures.ray_cluster import RayCluster, RayNode, command_line, ray_deployment
 from fixed_res_sidecar_tests.test_deploy_instance import (
@@ -208,7 +208,7 @@ def test_a_backfill_runs_as_ray_jobs_and_records_every_shard(deployment, cluster
     with deployment.instance() as instance:
         wait_until(lambda: len(shard_runs(instance, name)) == len(SHARDS) and all(
             r.is_finished for r in shard_runs(instance, name)), RUN_TIMEOUT, "the backfill's runs",
-            detail=deployment.report)  # fmt: skip
+            detail=deployment.report, progress=lambda: run_states(instance))  # fmt: skip
         print(f"\n{len(SHARDS)} shard runs finished {time.monotonic() - started:.1f} s after the backfill was launched")
         runs = shard_runs(instance, name)
         assert {r.status for r in runs} == {dg.DagsterRunStatus.SUCCESS}
@@ -262,14 +262,15 @@ def kill_mid_run(deployment, cluster: RayCluster, name: str, kill) -> dict:
                             "the killed run to be marked failed", detail=deployment.report)  # fmt: skip
         timeline["run marked failed"] = record_of(instance, run.run_id).end_time - killed_at
         retry = wait_until(lambda: finished_retry(instance, run.run_id), RUN_TIMEOUT, "its retry to finish",
-                           detail=deployment.report)  # fmt: skip
+                           detail=deployment.report, progress=lambda: run_states(instance))  # fmt: skip
         retry_record = record_of(instance, retry.run_id)
         timeline["retry created"] = retry_record.create_timestamp.timestamp() - killed_at
         timeline["retry started"] = retry_record.start_time - killed_at
         timeline["retry done"] = retry_record.end_time - killed_at
         wait_until(lambda: all(r.is_finished for r in shard_runs(instance, name)) and len(
             [r for r in shard_runs(instance, name) if r.status == dg.DagsterRunStatus.SUCCESS]) == len(shards_of(name)),
-            RUN_TIMEOUT, "every shard's run to succeed", detail=deployment.report)  # fmt: skip
+            RUN_TIMEOUT, "every shard's run to succeed", detail=deployment.report,
+            progress=lambda: run_states(instance))  # fmt: skip
         wait_idle(deployment, instance)
         timeline["all done"] = time.monotonic() - killed
         print("timeline (s after the kill): " + ", ".join(f"{k} {v:+.1f}" for k, v in timeline.items()))
