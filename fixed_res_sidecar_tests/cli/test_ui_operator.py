@@ -98,6 +98,16 @@ def audits_after(instance, moment: float) -> list[dg.EventLogRecord]:
     return [r for r in records if r.timestamp > moment]
 
 
+def assert_reads_run(audit_run: dg.RunRecord, run: dg.RunRecord) -> None:
+    """The audit reads `run`: the after-runs sensor's names it. An audit the hourly schedule asked for as
+    the run ended reads that run too, and the sensor then asks for none (as in defs/test_audit_triggers.py):
+    it must start after the run's end."""
+    if AUDIT_AFTER_TAG in audit_run.dagster_run.tags:
+        assert run.dagster_run.run_id[:8] in audit_run.dagster_run.tags[AUDIT_AFTER_TAG]
+    else:
+        assert audit_run.start_time is not None and audit_run.start_time >= (run.end_time or 0)
+
+
 def _utc(timestamp: float):
     from datetime import UTC, datetime
 
@@ -165,13 +175,7 @@ def test_a_failed_backfill_shows_in_the_audit_within_a_minute_and_every_view_agr
         audit = wait_for(lambda: next(iter(audits_after(instance, run.end_time)), None), 3 * MINUTE, "the audit")
         (audit_run,) = instance.get_run_records(dg.RunsFilter(run_ids=[audit.run_id]))
         assert audit_run.dagster_run.job_name == KEYS.audit_job
-        # The sensor's audit names the run it follows. An audit the hourly schedule asked for as the run
-        # ended reads that run too, and the sensor then asks for none (as in defs/test_audit_triggers.py):
-        # it must start after the run's end.
-        if AUDIT_AFTER_TAG in audit_run.dagster_run.tags:
-            assert run.dagster_run.run_id[:8] in audit_run.dagster_run.tags[AUDIT_AFTER_TAG]
-        else:
-            assert audit_run.start_time is not None and audit_run.start_time >= run.end_time
+        assert_reads_run(audit_run, run)
         assert audit_run.create_timestamp.timestamp() - run.end_time <= MINUTE
         print(f"audit requested {audit_run.create_timestamp.timestamp() - run.end_time:.1f} s and recorded "
               f"{audit.timestamp - run.end_time:.1f} s after the failed run ended")  # fmt: skip
@@ -262,7 +266,7 @@ def test_the_repair_takes_three_clicks_and_the_audit_passes_within_a_minute(live
         assert any(line.startswith(f"{WRONG}: to build again: its 512 output failed fidelity") for line in logs), logs
         audit = wait_for(lambda: next(iter(audits_after(instance, run.end_time)), None), 3 * MINUTE, "the audit")
         (audit_run,) = instance.get_run_records(dg.RunsFilter(run_ids=[audit.run_id]))
-        assert run.dagster_run.run_id[:8] in audit_run.dagster_run.tags[AUDIT_AFTER_TAG]
+        assert_reads_run(audit_run, run)
         assert audit_run.create_timestamp.timestamp() - (run.end_time or 0) <= MINUTE
     verdict = "sample passed: 3 of 3 shard(s) verified and cropped"
     text = reload_until(page, "/assets/sample/audit", "Metadata", [verdict], timeout=30)
