@@ -45,7 +45,6 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     REPO,
     InstanceSettings,
     run_partitions,
-    run_states,
     shard_runs,
     wait_until,
 )
@@ -250,8 +249,8 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
             runs = [r for r in instance.get_runs() if r.job_name in shard_jobs]
             return len(runs) == len(names) * len(shards) and all(r.status in FINISHED for r in runs)
 
-        wait_until(all_runs_finished, RUN_TIMEOUT, "the backfills' runs to finish", interval=0.2,
-                   detail=dagster_deployment.report, progress=lambda: run_states(instance))  # fmt: skip
+        dagster_deployment.wait_on_runs(instance, all_runs_finished, RUN_TIMEOUT, "the backfills' runs to finish",
+                                        interval=0.2)  # fmt: skip
 
         dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)  # and any run the automation sensors added
         everything = run_records(instance)
@@ -323,9 +322,9 @@ def test_a_killed_run_is_retried_and_its_shard_built_once(dagster_deployment, tm
                             "the killed run to be marked finished", detail=dagster_deployment.report)  # fmt: skip
         detected = time.monotonic() - killed
         retry_filter = dg.RunsFilter(tags={"dagster/parent_run_id": run.run_id})
-        retry = wait_until(lambda: next((r for r in instance.get_runs(retry_filter) if r.is_finished), None),
-                           RUN_TIMEOUT, "the retry of the killed run to finish", detail=dagster_deployment.report,
-                           progress=lambda: run_states(instance))  # fmt: skip
+        retry = dagster_deployment.wait_on_runs(
+            instance, lambda: next((r for r in instance.get_runs(retry_filter) if r.is_finished), None),
+            RUN_TIMEOUT, "the retry of the killed run to finish")  # fmt: skip
         retried = time.monotonic() - killed
         print(f"\nkilled run: marked failed after {detected:.1f} s, retry finished after {retried:.1f} s")
 
@@ -379,9 +378,8 @@ def test_a_killed_daemon_restarts_and_the_backfill_finishes(dagster_deployment, 
             assert run_worker_pid(instance, run_id) in dagster_deployment.code_server_processes()
         dagster_deployment.start_daemon()
 
-        wait_until(lambda: backfill_status(instance, backfill) in BACKFILL_DONE, RUN_TIMEOUT + 60,
-                   "the backfill to finish after the restart",
-                   detail=dagster_deployment.report, progress=lambda: run_states(instance))  # fmt: skip
+        dagster_deployment.wait_on_runs(instance, lambda: backfill_status(instance, backfill) in BACKFILL_DONE,
+                                        RUN_TIMEOUT + 60, "the backfill to finish after the restart")  # fmt: skip
         print(f"\nbackfill finished {time.monotonic() - killed:.1f} s after the daemon was killed")
 
         assert backfill_status(instance, backfill) == BulkActionStatus.COMPLETED_SUCCESS
@@ -520,9 +518,8 @@ def test_the_documented_dagster_commands_build_their_shards(dagster_deployment, 
         write_sample_dataset(dataset.main, shards=[later], rows_per_shard=7, row_group_size=4, sizes=TINY_SIZES)
         (sensor_start,) = re.findall(r"`(dagster sensor start [^`]*)`", (REPO / "docs" / "dagster.md").read_text())
         dagster(sensor_start)
-        wait_until(lambda: later in instance.get_materialized_partitions(keys.crop_bbox), RUN_TIMEOUT,
-                   "the discovery sensor's run of the new shard", detail=dagster_deployment.report,
-                   progress=lambda: run_states(instance))  # fmt: skip
+        dagster_deployment.wait_on_runs(instance, lambda: later in instance.get_materialized_partitions(keys.crop_bbox),
+                                        RUN_TIMEOUT, "the discovery sensor's run of the new shard")  # fmt: skip
         dagster_deployment.wait_until_idle(instance, RUN_TIMEOUT)
         assert_shards_complete(instance, config, {"sample": list(DEFAULT_SHARDS)})
         assert_outputs_whole(dataset, list(DEFAULT_SHARDS))
