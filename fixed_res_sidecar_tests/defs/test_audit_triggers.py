@@ -163,14 +163,14 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
                 tags={"dagster/schedule_name": keys.audit_schedule},
                 statuses=[dg.DagsterRunStatus.SUCCESS],
             )
-            scheduled = wait_until(
+            scheduled = dagster_deployment.wait_on_runs(
+                instance,
                 lambda: next(
                     (r for r in instance.get_run_records(scheduled_filter) if r.create_timestamp.timestamp() > held_at),
                     None,
                 ),
                 150,
                 "the scheduled audit while the backfill's run is held",
-                detail=dagster_deployment.report,
             )
             assert instance.get_run_by_id(held.run_id).status is dg.DagsterRunStatus.STARTED  # still under way
         finally:
