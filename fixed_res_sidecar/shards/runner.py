@@ -17,6 +17,7 @@ uploads, and then exits with status 143.
 import contextlib
 import ctypes
 import functools
+import itertools
 import multiprocessing
 import os
 import signal
@@ -149,11 +150,15 @@ def run_shards(
     return summary
 
 
+_POOL_NUMBERS = itertools.count()
+
+
 @contextlib.contextmanager
 def _pool(workers: int, threads: bool):
     """A pool that is shut down normally at the end, and stopped when the block raises."""
     if threads:
-        pool = ThreadPoolExecutor(max_workers=workers)
+        # A name of its own, so that _stop can find every thread of this pool (see there).
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"shards-{next(_POOL_NUMBERS)}")
     else:
         # spawn, not fork: boto3 clients and thread pools are not fork-safe. The workers are
         # started by the thread that submits (this one), which outlives them: the kernel's
@@ -177,6 +182,12 @@ def _stop(pool) -> None:
     if isinstance(pool, ThreadPoolExecutor):
         # A thread cannot be stopped from outside; running shards finish (their writes are atomic).
         pool.shutdown(wait=True, cancel_futures=True)
+        # shutdown joins the threads the pool has registered; a signal inside submit() can come after
+        # a thread started (and took its shard) but before it was registered. Found by CI under load.
+        prefix = f"{pool._thread_name_prefix}_"  # CPython's ThreadPoolExecutor names its threads so
+        for thread in threading.enumerate():
+            if thread.name.startswith(prefix) and thread is not threading.current_thread():
+                thread.join()
         return
     processes = list((pool._processes or {}).values())  # CPython's pid -> Process map of the pool
     for process in processes:

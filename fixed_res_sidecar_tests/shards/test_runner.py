@@ -145,6 +145,25 @@ def test_sigterm_lets_running_threads_finish_and_starts_no_more(tmp_path, sigter
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.unwound"]
 
 
+def test_a_signal_as_a_thread_starts_still_lets_its_shard_finish(tmp_path, monkeypatch):
+    """The signal comes inside the pool's submit, once its thread started and took shard `a` but before
+    the pool registered the thread (seen in CI under load): run_shards still waits for `a`."""
+    start = threading.Thread.start
+
+    def start_then_signal(thread):
+        start(thread)
+        if thread.name.startswith("shards-") and not Path(tmp_path, "a.unwound").exists():
+            deadline = time.monotonic() + 60
+            while not Path(tmp_path, "a").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise Terminated("signal 15")
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_signal)
+    with pytest.raises(Terminated):
+        run_shards(Lingers(str(tmp_path), 1.0), ["a", "b", "c"], workers=1, threads=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.unwound"]
+
+
 # A worker's watchdog alone (no parent-death signal), in a child of a parent that gets SIGKILLed.
 WATCHED_WORKER = """
 import os, signal, sys, time
