@@ -420,8 +420,9 @@ def runs_summary(instance, runs: list[dg.DagsterRun], since: float) -> str:
     """One line per run (created at, shard, status, parent, its failures with their causes), then its
     engine events that say how it was launched, retried or not: what a failed assertion needs to show."""
     lines = []
-    for run in sorted(runs, key=lambda r: instance.get_run_record_by_id(r.run_id).create_timestamp):
-        created = instance.get_run_record_by_id(run.run_id).create_timestamp.timestamp() - since
+    records = instance.get_run_records(dg.RunsFilter(run_ids=[run.run_id for run in runs]))
+    for record in sorted(records, key=lambda r: r.create_timestamp):
+        run, created = record.dagster_run, record.create_timestamp.timestamp() - since
         errors = {error_text(error) for e in failures(instance, run)
                   if (error := getattr(e.dagster_event.event_specific_data, "error", None))}  # fmt: skip
         lines.append(f"+{created:6.1f} s run {run.run_id[:8]} {run.tags.get(PARTITION_NAME_TAG)} {run.status.value}"
