@@ -48,10 +48,8 @@ from benchmarks.common import log
 from benchmarks.dagster_scale_metrics import (
     backfill_runs,
     cpu_seconds,
-    finished,
     median_of,
     run_timings,
-    sensor_ticks,
     shard_work,
     tick_summary,
     timed,
@@ -68,6 +66,8 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     REPOSITORY,
     DagsterDeployment,
     InstanceSettings,
+    sensor_ticks,
+    tick_finished,
     wait_until,
 )
 from fixed_res_sidecar_tests.fixtures.postgres import PostgresDatabase, start_postgres, stop_postgres
@@ -302,9 +302,11 @@ class ScaleBench:
                 ticks = [t for t in sensor_ticks(instance, keys.discovery_sensor) if t.timestamp >= started - 1]
                 work = [t for t in ticks if t.run_ids]
                 idle = [
-                    t for t in ticks if finished(t) and not t.run_ids and (not work or t.timestamp > work[-1].timestamp)
+                    t
+                    for t in ticks
+                    if tick_finished(t) and not t.run_ids and (not work or t.timestamp > work[-1].timestamp)
                 ]
-                if not work or not all(finished(t) for t in work) or len(idle) < 2:
+                if not work or not all(tick_finished(t) for t in work) or len(idle) < 2:
                     return None
                 return (work, idle) if len(instance.get_dynamic_partitions(keys.partitions)) == count else None
 
@@ -348,7 +350,7 @@ class ScaleBench:
         sensor = keys.automation_sensor
 
         def enough():
-            ticks = [t for t in sensor_ticks(instance, sensor) if t.timestamp > after and finished(t)]
+            ticks = [t for t in sensor_ticks(instance, sensor) if t.timestamp > after and tick_finished(t)]
             return ticks if len(ticks) >= self.options.automation_ticks else None
 
         count = self.options.automation_ticks

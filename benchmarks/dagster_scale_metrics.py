@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-from dagster._core.definitions.run_request import InstigatorType
 from dagster._core.events import DagsterEventType
-from dagster._core.scheduler.instigation import TickStatus
 
 BACKFILL_TAG = "dagster/backfill"
 
@@ -28,14 +26,6 @@ def median_of(call: Callable[[], Any], repeats: int) -> tuple[float, list[float]
     """Median seconds of `repeats` calls, and every call's seconds."""
     seconds = [timed(call)[0] for _ in range(repeats)]
     return statistics.median(seconds), seconds
-
-
-def sensor_ticks(instance: dg.DagsterInstance, name: str) -> list:
-    """Every tick of the sensor `name`, oldest first."""
-    for state in instance.all_instigator_state(instigator_type=InstigatorType.SENSOR):
-        if state.instigator_name == name:
-            return list(reversed(instance.get_ticks(state.instigator_origin_id, state.selector_id, limit=100_000)))
-    return []
 
 
 def cpu_seconds(leader: int, pids: set[int]) -> float:
@@ -59,10 +49,6 @@ def tick_summary(ticks: Sequence) -> dict[str, float]:
     if not seconds:
         return {"ticks": 0, "mean_s": 0.0, "max_s": 0.0}
     return {"ticks": len(seconds), "mean_s": statistics.mean(seconds), "max_s": max(seconds)}
-
-
-def finished(tick) -> bool:
-    return tick.status != TickStatus.STARTED and tick.end_timestamp is not None
 
 
 def backfill_runs(instance: dg.DagsterInstance, backfill_id: str) -> list[dg.RunRecord]:

@@ -28,21 +28,13 @@ from fixed_res_sidecar.defs.config import load_config
 from fixed_res_sidecar.defs.dagster_private import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
-from fixed_res_sidecar.defs.sensors import AUTOMATION_INTERVAL_SECONDS
 from fixed_res_sidecar_tests.defs.conftest import QUIET, swap_two_keys
+from fixed_res_sidecar_tests.fixtures.dagster_deployment import automation_caught_up, wait_until
 from fixed_res_sidecar_tests.fixtures.processes import describe, family
 
 KEYS = DatasetKeys("sample")
 DAMAGED = "part-00001.parquet"
 SCREENSHOTS = os.environ.get("SIDECAR_SCREENSHOTS")  # keep the screenshots here to look at them
-
-
-IN_PROGRESS = [
-    dg.DagsterRunStatus.QUEUED,
-    dg.DagsterRunStatus.NOT_STARTED,
-    dg.DagsterRunStatus.STARTING,
-    dg.DagsterRunStatus.STARTED,
-]
 
 
 def sidecar_ops(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -252,17 +244,10 @@ def shards_with_status(page: Page, path: str, kind: str, status: str, shards: li
     return [rel for rel in shards if rel in listed]
 
 
-def settled(
-    instance: dg.DagsterInstance, quiet_s: float = AUTOMATION_INTERVAL_SECONDS + 10, limit_s: float = 300
-) -> None:
-    """Return once no run has been queued or in progress for `quiet_s` (longer than an automation tick's
-    interval, so a tick that reacts to the last run has had its turn)."""
-    started = quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < quiet_s:
-        assert time.monotonic() - started < limit_s, "the deployment did not settle"
-        if instance.get_run_ids(dg.RunsFilter(statuses=IN_PROGRESS)):
-            quiet_since = time.monotonic()
-        time.sleep(1)
+def settled(instance: dg.DagsterInstance, limit_s: float = 300) -> None:
+    """Return once the running automation sensor has answered the last run (`automation_caught_up`)."""
+    wait_until(lambda: automation_caught_up(instance, KEYS.automation_sensor), limit_s,
+               "the automation sensor to answer the last run", interval=1)  # fmt: skip
 
 
 def check_partitions(name: str, asset: str = "verify_512") -> str:
