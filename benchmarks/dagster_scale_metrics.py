@@ -1,5 +1,5 @@
-"""What the Dagster scale benchmark reads back from the instance: sensor ticks, backfill runs and their
-timings, the shards' own work, and the printed table."""
+"""What the Dagster scale benchmark reads back from the instance: backfill runs and their timings (their
+launches from the deployment fixture), tick summaries, the shards' own work, and the printed table."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-from dagster._core.events import DagsterEventType
+
+from fixed_res_sidecar_tests.fixtures.dagster_deployment import launched_at
 
 BACKFILL_TAG = "dagster/backfill"
 
@@ -53,12 +54,6 @@ def tick_summary(ticks: Sequence) -> dict[str, float]:
 
 def backfill_runs(instance: dg.DagsterInstance, backfill_id: str) -> list[dg.RunRecord]:
     return list(instance.get_run_records(dg.RunsFilter(tags={BACKFILL_TAG: backfill_id})))
-
-
-def launched_at(instance: dg.DagsterInstance, run_id: str) -> float:
-    """When the run coordinator dequeued and launched the run (its RUN_STARTING event)."""
-    records = instance.get_records_for_run(run_id, of_type=DagsterEventType.RUN_STARTING).records
-    return records[0].event_log_entry.timestamp
 
 
 def shard_work(

@@ -44,6 +44,7 @@ from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     DEPLOY_INSTANCE,
     REPO,
     InstanceSettings,
+    launched_at,
     run_partitions,
     shard_runs,
     wait_until,
@@ -125,15 +126,15 @@ def run_spans(records: list[dg.RunRecord]) -> list[tuple[float, float]]:
     return [(r.start_time, r.end_time) for r in records if r.start_time is not None]
 
 
-def slot_spans(instance, records: list[dg.RunRecord]) -> list[tuple[float, float]]:
-    """When each run held a run slot: from its launch (the queue's RUN_STARTING) to its end. The queue
+def slot_spans(instance, records: list[dg.RunRecord]) -> dict[str, tuple[float, float]]:
+    """Run id -> when it held a run slot: from its launch (the queue's RUN_STARTING) to its end. The queue
     frees a slot at a run's end and fills it at a launch; a run's own start (`start_time`) can come after
     the other slot's run ended on a loaded machine, so starts alone may never show both slots in use."""
-    spans = []
+    spans = {}
     for record in records:
-        launches = instance.get_records_for_run(record.dagster_run.run_id, of_type=dg.DagsterEventType.RUN_STARTING)
-        if launches.records and record.end_time is not None:
-            spans.append((launches.records[0].event_log_entry.timestamp, record.end_time))
+        launched = launched_at(instance, record.dagster_run.run_id)
+        if launched is not None and record.end_time is not None:
+            spans[record.dagster_run.run_id] = (launched, record.end_time)
     return spans
 
 
@@ -273,12 +274,13 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
         assert seen_total <= limit and seen_per_dataset <= 1
         # From the stored launch and end times too (every run counts); the global limit was reached.
         slots = slot_spans(instance, everything)
-        first = min(start for start, _ in slots)
-        seen = sorted((round(start - first, 1), round(end - first, 1)) for start, end in slots)
-        assert most_at_once(slots) == limit, f"run slots held (s after the first launch): {seen}"
+        first = min(start for start, _ in slots.values())
+        seen = sorted((round(start - first, 1), round(end - first, 1)) for start, end in slots.values())
+        assert most_at_once(list(slots.values())) == limit, f"run slots held (s after the first launch): {seen}"
         for name in names:
-            of_dataset = [r for r in everything if r.dagster_run.tags.get(DATASET_TAG) == name]
-            assert most_at_once(slot_spans(instance, of_dataset)) == 1, f"{name}: {seen}"
+            of_dataset = [slots[r.dagster_run.run_id] for r in everything
+                          if r.dagster_run.tags.get(DATASET_TAG) == name and r.dagster_run.run_id in slots]  # fmt: skip
+            assert most_at_once(of_dataset) == 1, f"{name}: {seen}"
         for (name, rel), record in run_of.items():
             for key in output_asset_keys(name):
                 assert built_by(instance, key, rel) == [record.dagster_run.run_id], (key.to_user_string(), rel)
