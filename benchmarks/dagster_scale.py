@@ -74,7 +74,8 @@ from fixed_res_sidecar_tests.fixtures.postgres import PostgresDatabase, start_po
 from fixed_res_sidecar_tests.fixtures.processes import family
 
 BUILT, METADATA = "scale", "meta"  # the two datasets' names
-RUNNING = InstanceSettings(max_runtime_seconds=1800)  # the deployment's limits: 2 runs at once
+# The deployment's limits (2 runs at once) and Dagster's own 30 s backfill loop, as shipped.
+RUNNING = InstanceSettings(max_runtime_seconds=1800, backfill_loop_seconds=None)
 HELD = replace(RUNNING, max_concurrent_runs=0)  # queued runs stay queued
 DONE = {BulkActionStatus.COMPLETED_SUCCESS, BulkActionStatus.COMPLETED_FAILED, BulkActionStatus.FAILED}
 ENDED = DONE | {BulkActionStatus.CANCELED}

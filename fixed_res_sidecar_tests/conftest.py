@@ -41,7 +41,7 @@ ONE_AT_A_TIME_FIXTURES = {"deployment_slot", "two_node_ray_cluster"}
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject): one worker per core, and one more when the slow tier runs. The deployments
-    run one at a time on one worker and mostly wait on the daemon's loops (backfills every 30 s); the
+    run one at a time on one worker and mostly wait on the daemon's loops (sensors, backfills); the
     extra worker keeps the cores busy meanwhile (with one per core, CI used 1.5 of 2 cores on average).
     The fast tier is all CPU: one worker per core."""
     cores = len(os.sched_getaffinity(0))

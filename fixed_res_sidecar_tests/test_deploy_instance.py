@@ -225,7 +225,7 @@ def test_instance_is_deploy_with_the_default_run_launcher(dagster_deployment):
 
 def start_with_backfills(deployment, backfills: dict[str, list[str]]) -> list[str]:
     """Code server and webserver, the backfills launched from GraphQL (job name -> partitions), then the
-    daemon: its first backfill iteration submits them at once (it iterates every 30 s)."""
+    daemon: its first backfill iteration submits them at once."""
     deployment.start_code_server()
     deployment.start_webserver()
     ids = [deployment.launch_backfill(job, partitions) for job, partitions in backfills.items()]

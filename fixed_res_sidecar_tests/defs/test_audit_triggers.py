@@ -220,7 +220,7 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
         }
         assert not checks[DATASET_AUDIT_CHECK].passed and "z-broken.parquet" in checks[DATASET_AUDIT_CHECK].description
 
-        # Once the backfill daemon closed the backfill (up to 30 s after its last run), an audit judges
+        # Once the backfill daemon closed the backfill (one loop after its last run), an audit judges
         # completeness again: nothing is under way.
         closed_at = instance.get_backfill(backfill_id).backfill_end_timestamp
 
