@@ -151,6 +151,15 @@ class SensorConfig(_Strict):
     max_new_shards_per_tick: int = Field(default=2000, ge=1, le=100_000)
 
 
+class AutomationConfig(_Strict):
+    """The automation sensor of one dataset (defs/sensors.py): a verifier after a rebuilt shard, crop_bbox
+    after a later verification."""
+
+    # Seconds between its ticks. Each tick is Dagster's evaluation over every partition: 4 s at 10,000,
+    # 22-108 s at 100,000 (docs/performance.md), time the daemon's other loops wait for.
+    interval_seconds: int = Field(default=30, ge=5)
+
+
 def _cron(value: str) -> str:
     if len(value.split()) != 5:
         raise ValueError(f"must be a cron schedule of five fields (minute hour day month weekday), got {value!r}")
@@ -205,6 +214,7 @@ class DatasetConfig(_Strict):
     shards_per_run: int = Field(default=DEFAULT_SHARDS_PER_RUN, ge=1, le=1000)
     run_resources: RunResources = RunResources()
     sensor: SensorConfig = SensorConfig()
+    automation: AutomationConfig = AutomationConfig()
     audit: AuditConfig = AuditConfig()
     fidelity_sweep: FidelitySweepConfig = FidelitySweepConfig()
     verify_sample: int = Field(default=32, ge=0)  # images decoded per shard and resolution

@@ -64,7 +64,6 @@ from fixed_res_sidecar.io.parquet import source_fingerprint
 
 LISTING_PAGE_SIZE = 1000
 REFUSED_LOGGED = 20  # refused shard names written to the tick log, per tick
-AUTOMATION_INTERVAL_SECONDS = 30
 STATE_KEY = "fixed_res_sidecar/discovery/{dataset}"
 PENDING_KEY = "fixed_res_sidecar/discovery/{dataset}/requested"  # {"tick": n, "rels": [...]}
 # A tick that needs more runs than this requests one backfill instead: the daemon creates a run over
@@ -358,10 +357,11 @@ def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDef
         name=keys.automation_sensor,
         target=dg.AssetSelection.groups(keys.group),
         default_status=dg.DefaultSensorStatus.RUNNING,
-        minimum_interval_seconds=AUTOMATION_INTERVAL_SECONDS,
+        minimum_interval_seconds=dataset.automation.interval_seconds,
         run_tags=dataset_run_tags(dataset),
         description=(
-            f"Builds {keys.crop_bbox.to_user_string()} of a shard once both verifiers' blocking checks passed "
-            "for it (and re-verifies shards whose resized outputs were rebuilt)."
+            f"Every {dataset.automation.interval_seconds} s: builds {keys.crop_bbox.to_user_string()} of a shard "
+            "once both verifiers' blocking checks passed for it (and re-verifies shards whose resized outputs "
+            "were rebuilt)."
         ),
     )

@@ -177,6 +177,7 @@ def test_names_dagster_cannot_use_are_refused(name):
         ({"run_resources": {"cpu": 0}}, "run_resources.cpu", "greater than 0"),
         ({"sensor": {"interval_seconds": 1}}, "sensor.interval_seconds", "greater than or equal to 5"),
         ({"sensor": {"default_status": "on"}}, "sensor.default_status", "running"),
+        ({"automation": {"interval_seconds": 4}}, "automation.interval_seconds", "greater than or equal to 5"),
         ({"verify_sample": -1}, "verify_sample", "greater than or equal to 0"),
         ({"caption_frame": "upside_down"}, "caption_frame", "oriented"),
         ({"bbox_keys": []}, "bbox_keys", "at least one"),

@@ -287,8 +287,11 @@ def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
     dataset = tiny_config.datasets[0]
     assert discovery_sensor(dataset).default_status == dg.DefaultSensorStatus.STOPPED
     running = make_config(
-        dataset_entry("on", tiny_main, tmp_path / "o2", sensor={"default_status": "running", "interval_seconds": 15})
-    )
+        dataset_entry(
+            "on", tiny_main, tmp_path / "o2", sensor={"default_status": "running", "interval_seconds": 15},
+            automation={"interval_seconds": 300},
+        )
+    )  # fmt: skip
     sensor = discovery_sensor(running.datasets[0])
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     assert sensor.minimum_interval_seconds == 15
@@ -296,6 +299,8 @@ def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
     assert isinstance(automation, dg.AutomationConditionSensorDefinition)
     assert automation.default_status == dg.DefaultSensorStatus.RUNNING
     assert automation.name == "tiny__automation"
+    assert automation.minimum_interval_seconds == 30  # the default
+    assert automation_sensor(running.datasets[0]).minimum_interval_seconds == 300
 
 
 @pytest.mark.parametrize("text", [None, "", "garbage", "[1, 2]", '{"after": "x", "passes": "many"}'])
