@@ -121,6 +121,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.automation_ticks,
         help="automation sensor ticks measured after each discovery",
     )
+    scale.add_argument(
+        "--backfill-loop-seconds",
+        type=int,
+        default=defaults.backfill_loop_seconds,
+        help="the backfill daemon's loop (default: Dagster's fixed 30 s; shorter for a quick run only: "
+        "a backfill's first runs wait for it)",
+    )
+    scale.add_argument(
+        "--automation-interval",
+        type=int,
+        default=defaults.automation_interval_seconds,
+        help="the datasets' automation.interval_seconds (default %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -134,6 +147,8 @@ def scale_options(args: argparse.Namespace) -> ScaleOptions:
         per_tick=args.shards_per_tick,
         metadata_per_tick=args.metadata_shards_per_tick,
         automation_ticks=args.automation_ticks,
+        backfill_loop_seconds=args.backfill_loop_seconds,
+        automation_interval_seconds=args.automation_interval,
     )
 
 

@@ -99,6 +99,10 @@ class ScaleOptions:
     per_tick: int = 5000
     metadata_per_tick: int = 5000
     automation_ticks: int = 3  # the automation sensor's ticks measured once discovery is done
+    # Shorter than the shipped deployment's only for a quick run (the test's): a backfill's first runs
+    # wait for the backfill loop (None: Dagster's fixed 30 s), the automation ticks for their interval.
+    backfill_loop_seconds: int | None = None
+    automation_interval_seconds: int = 30
     repeats: int = 3
     timeout: float = 1800.0  # bound of every wait
 
@@ -159,11 +163,16 @@ class ScaleBench:
         self.keys = DatasetKeys(BUILT)
         self.shards = data.shard_names(options.partitions)
         self.first_audit_states: dict[str, AuditState] = {}  # dataset -> the state its first audit left
+        self.running = replace(RUNNING, backfill_loop_seconds=options.backfill_loop_seconds)
+        self.held = replace(self.running, max_concurrent_runs=0)
 
     # -- the deployment ----------------------------------------------------------------------
 
     def write_datasets(self, shards_per_run: int) -> None:
-        entries = data.dataset_entries(self.root, shards_per_run, self.options.per_tick, self.options.metadata_per_tick)
+        options = self.options
+        entries = data.dataset_entries(
+            self.root, shards_per_run, options.per_tick, options.metadata_per_tick, options.automation_interval_seconds
+        )
         self.deployment.write_datasets({"datasets": entries})
 
     def start(self, settings: InstanceSettings, shards_per_run: int, backfill: list[str] | None = None) -> dict:
@@ -231,7 +240,7 @@ class ScaleBench:
     def run(self) -> None:
         options, report = self.options, self.report
         with self.phase("start"):
-            first = self.start(HELD, DEFAULT_SHARDS_PER_RUN)
+            first = self.start(self.held, DEFAULT_SHARDS_PER_RUN)
             self.stop_schedules()
             report["definitions"] = {**first, **self.definitions_in_process()}
         with self.phase("discovery"):
@@ -427,13 +436,13 @@ class ScaleBench:
         return {size: self.shards[i * step : i * step + n] for i, size in enumerate(sizes)}
 
     def measure_batch(self, size: int, block: list[str]) -> dict[str, Any]:
-        started = self.start(RUNNING, size, backfill=block)
+        started = self.start(self.running, size, backfill=block)
         backfill = started["backfill"]
         with self.deployment.instance() as instance:
             records = self.wait_for_backfill(instance, backfill["id"])
             work = shard_work(instance, self.keys.crop_bbox, block)
             assert set(work) == set(block), f"shards without crop_bbox: {sorted(set(block) - set(work))[:5]}"
-            row = run_timings(instance, records, len(block), RUNNING.max_concurrent_runs, work)
+            row = run_timings(instance, records, len(block), self.running.max_concurrent_runs, work)
         row.update(
             shards_per_run=size,
             code_server_s=started["code_server_s"],
@@ -449,11 +458,11 @@ class ScaleBench:
         size = sorted(self.options.batch_sizes, key=lambda s: (s == DEFAULT_SHARDS_PER_RUN, s))[-1]
         with self.deployment.instance() as instance:
             before = shard_work(instance, self.keys.crop_bbox, rels)
-        launch = self.start(RUNNING, size, backfill=rels)["backfill"]  # runs: batches of each consecutive block
+        launch = self.start(self.running, size, backfill=rels)["backfill"]  # runs: batches of each consecutive block
         with self.deployment.instance() as instance:
             records = self.wait_for_backfill(instance, launch["id"])
             after = shard_work(instance, self.keys.crop_bbox, rels)
-            row = run_timings(instance, records, len(rels), RUNNING.max_concurrent_runs)
+            row = run_timings(instance, records, len(rels), self.running.max_concurrent_runs)
             rebuilt = {rel: (after.get(rel) or ("",))[0] for rel in rels if after.get(rel) != before.get(rel)}
             # Which run rebuilt each (a backfill's or automation's) and what it logged of the shard: a
             # rebuild of an up-to-date shard is a defect, and the deployment is gone once this returns.
@@ -464,7 +473,7 @@ class ScaleBench:
             "rebuilt": len(rebuilt),
             "rebuilt_why": why,
             "wall_per_shard_s": row["wall_s"] / len(rels),
-            "slot_per_shard_s": row["wall_s"] * RUNNING.max_concurrent_runs / len(rels),
+            "slot_per_shard_s": row["wall_s"] * self.running.max_concurrent_runs / len(rels),
             "backfill_id": launch["id"],
         }
 

@@ -59,13 +59,20 @@ def metadata_shard_table() -> pa.Table:
     return pa.table({"image_key": ["k0", "k1"], "image": pa.array([None, None], pa.binary())})
 
 
-def dataset_entries(root: Path, shards_per_run: int, per_tick: int, metadata_per_tick: int) -> list[dict]:
+def dataset_entries(
+    root: Path, shards_per_run: int, per_tick: int, metadata_per_tick: int, automation_interval_seconds: int
+) -> list[dict]:
     """The datasets file's entries: `scale` (built in the run measurements) and `meta` (metadata only).
 
     Both sensors start stopped: the benchmark turns each on in turn (as the UI toggle does), so the
     two discoveries are timed apart.
     """
-    common = {"output_root": str(root / "out"), "threads_per_shard": 1, "overlay_sample": 1}
+    common = {
+        "output_root": str(root / "out"),
+        "threads_per_shard": 1,
+        "overlay_sample": 1,
+        "automation": {"interval_seconds": automation_interval_seconds},
+    }
     return [
         {
             "name": "scale",
