@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from fixed_res_sidecar.io.s3 import s3_client
-from fixed_res_sidecar_tests.fixtures.docs import REPO, documented_block, documented_blocks
+from fixed_res_sidecar_tests.fixtures.docs import FENCE, REPO, documented_block, documented_blocks
 
 TEST_BUILD = "fixed_res_sidecar_tests/cli/test_build.py"
 BUILD_CMD = (
@@ -237,6 +237,38 @@ def test_commands_are_read_as_the_docs_write_them(tmp_path):
     blocks = documented_blocks([doc])
     assert [b.commands for b in blocks] == [["setup", "run --a 'x # not a comment' --b 2", "cat > f <<'END'"], ["one"]]
     assert Path(blocks[1].path).name == "doc.md" and blocks[0].line == 3
+
+
+MARKDOWN = [
+    REPO / "README.md",
+    REPO / "ARCHITECTURE.md",
+    REPO / "benchmarks" / "README.md",
+    *(REPO / "docs").glob("*.md"),
+]
+SECTION_LINK = re.compile(r"\]\((?P<file>[^)#\s]*)#(?P<anchor>[^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}[ \t]+(?P<title>.+?)[ \t]*$", re.MULTILINE)
+
+
+def prose(path: Path) -> str:
+    """A Markdown file without its fenced blocks (a shell comment there is no heading)."""
+    return FENCE.sub("", path.read_text())
+
+
+def github_anchor(title: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_section_names_a_heading_that_exists():
+    anchors = {path: {github_anchor(m["title"]) for m in HEADING.finditer(prose(path))} for path in MARKDOWN}
+    assert "10000-100000-shards-on-ray-or-kubernetes" in anchors[REPO / "docs" / "operations.md"]
+    broken = []
+    for path in MARKDOWN:
+        for link in SECTION_LINK.finditer(prose(path)):
+            target = (path.parent / link["file"]).resolve() if link["file"] else path
+            if target.suffix == ".md" and link["anchor"] not in anchors.get(target, set()):
+                broken.append(f"{path.relative_to(REPO)}: ({link['file']}#{link['anchor']})")
+    assert not broken, broken
 
 
 @pytest.mark.slow  # a pytest run in a new process
