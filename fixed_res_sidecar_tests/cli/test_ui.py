@@ -233,14 +233,24 @@ def shards_with_status(page: Page, path: str, kind: str, status: str, shards: li
     else:
         page.open(path, "Partitions Selected")
     page.page.get_by_text("Partitions Selected").first.wait_for(timeout=30_000)
+    count = 0
     for other in STATUSES[kind]:
         box = page.page.get_by_text(re.compile(rf"^{re.escape(other)} \(\d+\)$"))
         box.first.wait_for(timeout=30_000)
-        if other != status:
+        if other == status:
+            count = int(re.findall(r"\d+", box.first.text_content() or "")[-1])
+        else:
             box.first.click()
-    page.page.wait_for_timeout(1000)
+    # The list is the union of the ticked statuses: once it holds as many rows as `status` counts, every
+    # other status is filtered out (the clicks apply asynchronously, so wait for that, not for a time).
+    # (The check page's list of checks is a table too: count the partitions' rows alone.)
     rows = page.page.locator("[class*='VirtualizedTable_row'] [class*='MiddleTruncate_measure']")
-    listed = [rows.nth(i).text_content() for i in range(rows.count())]
+    partition_rows = rows.filter(has_text=re.compile(r"\.parquet$"))
+    deadline = time.monotonic() + 30
+    while partition_rows.count() != count and time.monotonic() < deadline:
+        page.page.wait_for_timeout(250)
+    listed = [partition_rows.nth(i).text_content() for i in range(partition_rows.count())]
+    assert len(listed) == count, (path, status, count, listed)
     return [rel for rel in shards if rel in listed]
 
 
@@ -248,6 +258,12 @@ def settled(instance: dg.DagsterInstance, limit_s: float = 300) -> None:
     """Return once the running automation sensor has answered the last run (`automation_caught_up`)."""
     wait_until(lambda: automation_caught_up(instance, KEYS.automation_sensor), limit_s,
                "the automation sensor to answer the last run", interval=1)  # fmt: skip
+
+
+def around(text: str, word: str) -> str:
+    """The part of a page's text where `word` first appears (the whole text is too long to read)."""
+    at = max(text.find(word), 0)
+    return text[max(at - 200, 0) : at + 400]
 
 
 def check_partitions(name: str, asset: str = "verify_512") -> str:
@@ -270,8 +286,9 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     ) == [DAMAGED]
     page.shot("batch-failed-preset")
     page.open("/assets/sample/audit?view=checks", "dataset_complete")
-    text = page.text_when(["dataset_audit", "dataset_complete"], timeout=30)
-    assert "dataset_audit\nFailed" in text
+    # The check list shows the names before their statuses: wait for the status itself.
+    text = page.text_when(["dataset_audit\nFailed"], timeout=30)
+    assert "dataset_audit\nFailed" in text, around(text, "dataset_audit")
     page.shot("batch-audit-before-repair")
 
     # The repair: the damaged resized shard is rebuilt by a batch over both, then the audit runs.
@@ -296,7 +313,7 @@ def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, br
     assert shards_with_status(page, check_partitions("keys_match"), "check", "Passed", shards) == shards
     page.open("/assets/sample/audit?view=checks", "dataset_complete")
     text = page.text_when(["dataset_audit\nSucceeded", "dataset_complete\nSucceeded"], timeout=30)
-    assert "dataset_audit\nSucceeded" in text and "dataset_complete\nSucceeded" in text, text[-800:]
+    assert "dataset_audit\nSucceeded" in text and "dataset_complete\nSucceeded" in text, around(text, "dataset_audit")
     page.shot("batch-after-repair")
 
 
