@@ -60,7 +60,7 @@ def metadata_shard_table() -> pa.Table:
 
 
 def dataset_entries(
-    root: Path, shards_per_run: int, per_tick: int, metadata_per_tick: int, automation_interval_seconds: int
+    root: Path, shards_per_run: int, per_tick: int, metadata_per_tick: int, automation: dict
 ) -> list[dict]:
     """The datasets file's entries: `scale` (built in the run measurements) and `meta` (metadata only).
 
@@ -71,7 +71,7 @@ def dataset_entries(
         "output_root": str(root / "out"),
         "threads_per_shard": 1,
         "overlay_sample": 1,
-        "automation": {"interval_seconds": automation_interval_seconds},
+        "automation": automation,
     }
     return [
         {

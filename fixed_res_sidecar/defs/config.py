@@ -158,6 +158,9 @@ class AutomationConfig(_Strict):
     # Seconds between its ticks. Each tick is Dagster's evaluation over every partition: 4 s at 10,000,
     # 22-108 s at 100,000 (docs/performance.md), time the daemon's other loops wait for.
     interval_seconds: int = Field(default=30, ge=5)
+    # Where each tick is evaluated: in the daemon (Dagster's default), or in the code server (Dagster's beta
+    # `use_user_code_server`), away from the daemon's backfill threads that slow it at 100,000 partitions.
+    in_code_server: bool = False
 
 
 def _cron(value: str) -> str:

@@ -353,6 +353,8 @@ def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDef
     the code location, so the cross-run gate on `crop_bbox` works without a click.
     """
     keys = DatasetKeys(dataset.name)
+    # Passed only when set: Dagster warns of the beta parameter whenever it is given.
+    where = {"use_user_code_server": True} if dataset.automation.in_code_server else {}
     return dg.AutomationConditionSensorDefinition(
         name=keys.automation_sensor,
         target=dg.AssetSelection.groups(keys.group),
@@ -364,4 +366,5 @@ def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDef
             "once both verifiers' blocking checks passed for it (and re-verifies shards whose resized outputs "
             "were rebuilt)."
         ),
+        **where,
     )
