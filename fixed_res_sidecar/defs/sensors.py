@@ -39,6 +39,7 @@ import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import dagster as dg
 
@@ -354,7 +355,7 @@ def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDef
     """
     keys = DatasetKeys(dataset.name)
     # Passed only when set: Dagster warns of the beta parameter whenever it is given.
-    where = {"use_user_code_server": True} if dataset.automation.in_code_server else {}
+    where: dict[str, Any] = {"use_user_code_server": True} if dataset.automation.in_code_server else {}
     return dg.AutomationConditionSensorDefinition(
         name=keys.automation_sensor,
         target=dg.AssetSelection.groups(keys.group),
