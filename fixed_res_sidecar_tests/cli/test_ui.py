@@ -246,11 +246,9 @@ def shards_with_status(page: Page, path: str, kind: str, status: str, shards: li
     # (The check page's list of checks is a table too: count the partitions' rows alone.)
     rows = page.page.locator("[class*='VirtualizedTable_row'] [class*='MiddleTruncate_measure']")
     partition_rows = rows.filter(has_text=re.compile(r"\.parquet$"))
-    deadline = time.monotonic() + 30
-    while partition_rows.count() != count and time.monotonic() < deadline:
-        page.page.wait_for_timeout(250)
-    listed = [partition_rows.nth(i).text_content() for i in range(partition_rows.count())]
-    assert len(listed) == count, (path, status, count, listed)
+    wait_until(lambda: partition_rows.count() == count, 30, f"{path}: {count} shard(s) listed as {status}",
+               interval=0.25, detail=lambda: partition_rows.all_text_contents())  # fmt: skip
+    listed = partition_rows.all_text_contents()
     return [rel for rel in shards if rel in listed]
 
 
