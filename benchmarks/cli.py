@@ -134,11 +134,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.automation_interval_seconds,
         help="the datasets' automation.interval_seconds (default %(default)s)",
     )
-    scale.add_argument(
-        "--automation-in-code-server",
-        action="store_true",
-        help="the datasets' automation.in_code_server: the automation sensors evaluated in the code server",
-    )
     return parser.parse_args(argv)
 
 
@@ -154,7 +149,6 @@ def scale_options(args: argparse.Namespace) -> ScaleOptions:
         automation_ticks=args.automation_ticks,
         backfill_loop_seconds=args.backfill_loop_seconds,
         automation_interval_seconds=args.automation_interval,
-        automation_in_code_server=args.automation_in_code_server,
     )
 
 

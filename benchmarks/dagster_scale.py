@@ -103,7 +103,6 @@ class ScaleOptions:
     # wait for the backfill loop (None: Dagster's fixed 30 s), the automation ticks for their interval.
     backfill_loop_seconds: int | None = None
     automation_interval_seconds: int = 30
-    automation_in_code_server: bool = False  # the datasets' automation.in_code_server
     repeats: int = 3
     timeout: float = 1800.0  # bound of every wait
 
@@ -171,10 +170,7 @@ class ScaleBench:
 
     def write_datasets(self, shards_per_run: int) -> None:
         options = self.options
-        automation = {
-            "interval_seconds": options.automation_interval_seconds,
-            "in_code_server": options.automation_in_code_server,
-        }
+        automation = {"interval_seconds": options.automation_interval_seconds}
         entries = data.dataset_entries(
             self.root, shards_per_run, options.per_tick, options.metadata_per_tick, automation
         )

@@ -88,16 +88,6 @@ from fixed_res_sidecar.shards.pipeline import (
 from fixed_res_sidecar.shards.resize import RESIZE_OUTPUT_VERSION
 from fixed_res_sidecar.shards.runner import Progress, run_shards
 
-# crop_bbox of a shard runs when its inputs updated (or it is missing), none of them is missing
-# or in progress, and every blocking check of its parents passed for that shard.
-CROP_BBOX_CONDITION = (
-    dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
-).with_label("eager, once the verifiers' blocking checks passed")
-# A verifier re-runs after its resized shard was rebuilt in a run that did not verify it; not after a run
-# that verified it and failed (a failed verification is not materialised: verifying again would only fail again).
-VERIFY_CONDITION = (dg.AutomationCondition.eager() & ~dg.AutomationCondition.execution_failed()).with_label(
-    "eager, unless its latest verification failed"
-)
 # The resized assets' code version: the UI marks shards built by another version Unsynced.
 RESIZE_CODE_VERSION = str(RESIZE_OUTPUT_VERSION)
 
@@ -139,7 +129,6 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
         dg.AssetSpec(
             keys.verify(r),
             deps=[keys.resized(r)],
-            automation_condition=VERIFY_CONDITION,
             description=(
                 f"SPEC 7 verifier report of {keys.resized(r).to_user_string()}, per shard, as JSON under "
                 f"{layout.report_location(f'resized_{r}').uri}. Its blocking checks gate {keys.crop_bbox.to_user_string()}."
@@ -153,7 +142,6 @@ def shard_specs(dataset: DatasetConfig, partitions: dg.PartitionsDefinition) -> 
         dg.AssetSpec(
             keys.crop_bbox,
             deps=[*(keys.resized(r) for r in RESOLUTION_NAMES), *(keys.verify(r) for r in RESOLUTION_NAMES)],
-            automation_condition=CROP_BBOX_CONDITION,
             description=(
                 "Crop-bbox sidecar: structured_description_crop_512, structured_description_crop_1024 and "
                 f"bbox_resize_meta per row, at {layout.sidecar_location().uri}. Built for a shard only after both verifiers' "

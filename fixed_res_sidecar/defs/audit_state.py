@@ -209,13 +209,22 @@ def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -
 
 
 def _settle(state: AuditState, started: float, settle_seconds: float) -> None:
-    """Mark this update, and move `settled` up to the marks older than `settle_seconds` when it started:
-    their events had committed by then, so this update read every one of them."""
-    state.marks.append([time.time(), state.cursors["high"]])
-    ripe = [int(high) for when, high in state.marks if when <= started - settle_seconds]  # storage ids: ints
-    if ripe:
-        state.cursors["settled"] = max([state.cursors.get("settled", 0), *ripe])
-        state.marks = [mark for mark in state.marks if mark[0] > started - settle_seconds]
+    state.cursors["settled"], state.marks = settle(
+        state.marks, state.cursors["high"], state.cursors.get("settled", 0), started, settle_seconds
+    )
+
+
+def settle(
+    marks: list[list[float]], high: int, settled: int, started: float, settle_seconds: float = SETTLE_SECONDS
+) -> tuple[int, list[list[float]]]:
+    """A reader's new `settled` cursor and marks, after a read that began at `started` and read up to storage
+    id `high`: the read is marked, and `settled` moves up to the marks older than `settle_seconds` when it
+    began (their events had committed by then, so this read saw every one of them)."""
+    marks = [*marks, [time.time(), high]]
+    ripe = [int(mark) for when, mark in marks if when <= started - settle_seconds]  # storage ids: ints
+    if not ripe:
+        return settled, marks
+    return max([settled, *ripe]), [mark for mark in marks if mark[0] > started - settle_seconds]
 
 
 def _new_events(fetch, key: dg.AssetKey, after: int, partitions: list[str] | None = None):

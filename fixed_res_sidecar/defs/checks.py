@@ -8,7 +8,7 @@ to Dagster and turns a `ShardReport` into check results:
   fidelity check (the sampled images show the picture their source gives),
   partitioned like the shards, so each shard has its own result. A failed one fails the
   run and stops `crop_bbox` of that shard in the same run; across runs the automation
-  condition of `crop_bbox` waits for them to pass.
+  sensor builds `crop_bbox` only once they passed (defs/automation.py).
 - `<dataset>/crop_bbox` carries the sidecar checks (columns, keys, boxes, meta against the
   audits).
 - `<dataset>/audit` carries `dataset_audit` (failed shards, ERROR) and `dataset_complete` (work left,

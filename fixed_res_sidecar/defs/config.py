@@ -152,15 +152,11 @@ class SensorConfig(_Strict):
 
 
 class AutomationConfig(_Strict):
-    """The automation sensor of one dataset (defs/sensors.py): a verifier after a rebuilt shard, crop_bbox
+    """The automation sensor of one dataset (defs/automation.py): a verifier after a rebuilt shard, crop_bbox
     after a later verification."""
 
-    # Seconds between its ticks. Each tick is Dagster's evaluation over every partition: 4 s at 10,000,
-    # 22-108 s at 100,000 (docs/performance.md), time the daemon's other loops wait for.
+    # Seconds between its ticks: how soon a follow-up run starts after the run it follows.
     interval_seconds: int = Field(default=30, ge=5)
-    # Where each tick is evaluated: in the daemon (Dagster's default), or in the code server (Dagster's beta
-    # `use_user_code_server`), away from the daemon's backfill threads that slow it at 100,000 partitions.
-    in_code_server: bool = False
 
 
 def _cron(value: str) -> str:

@@ -51,8 +51,8 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
   Postgres): 75 s per 1,000 shards. The event log's `store_event_batch` writes a batch in one
   insert, but takes the `EventLogEntry` that `report_runless_asset_event` builds from these.
 - `AssetGraphSubset` (`backfill_request`): a sensor's RunRequest for a backfill
-  (`RunRequest.for_asset_graph_subset`, which the sensor daemon turns into an asset backfill, as the
-  automation sensor's requests are); the subset type it takes is not exported.
+  (`RunRequest.for_asset_graph_subset`, which the sensor daemon turns into an asset backfill); the
+  subset type it takes is not exported.
 """
 
 import time

@@ -13,13 +13,14 @@ import dagster as dg
 
 from fixed_res_sidecar.defs.assets import dataset_assets
 from fixed_res_sidecar.defs.audit_triggers import audit_after_runs_sensor, audit_run_tags, audit_schedule
+from fixed_res_sidecar.defs.automation import automation_sensor
 from fixed_res_sidecar.defs.config import DatasetConfig, SidecarConfig
 from fixed_res_sidecar.defs.fidelity_sweep import fidelity_sweep_schedule
 from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.partitions import shard_partitions
 from fixed_res_sidecar.defs.resources import default_resources
 from fixed_res_sidecar.defs.run_resources import dataset_run_tags
-from fixed_res_sidecar.defs.sensors import automation_sensor, discovery_sensor
+from fixed_res_sidecar.defs.sensors import discovery_sensor
 
 
 def shard_job_selection(keys: DatasetKeys) -> dg.AssetSelection:

@@ -20,6 +20,8 @@ stated here once:
   as another object than the one its checks passed on;
 - stale: main's shard changed since the resized outputs were built from it;
 - a run's decision per shard: build, restate, skip or refuse, with the reason in plain words.
+- what follows a run (`follow_up`): the verifier of an output built after its verification, and
+  crop_bbox once both resolutions are verified (on record, or by that follow-up run).
 
 A failed verification is recorded as an observation of its asset, not a materialization (the asset
 then reads Failed in every view, like any asset whose run failed): the ledger keeps the latest one
@@ -318,6 +320,34 @@ class ShardLedger:
         if self.latest(CROP_BBOX) is None:
             return ShardState.CROP_MISSING
         return ShardState.COMPLETE if self.crop_problem() is None else ShardState.UNVERIFIED
+
+    def follow_up(self) -> tuple[str, ...]:
+        """The assets the automation sensor builds next for this shard, in graph order (empty: none).
+
+        A verifier whose output was built after its latest verification (not when a verification failed
+        on the bytes the output holds now: verifying them again can only fail again); crop_bbox when
+        both resolutions are then verified (on record, or by the same run) and it is missing, older than
+        a verification, or about to be (a verifier runs first), unless it failed after its latest
+        verification (building it from the same inputs can only fail again)."""
+        if self.removed:
+            return ()
+        verify = []
+        for resolution in RESOLUTION_NAMES:
+            output, verification = self.latest(resized(resolution)), self.latest(verifier(resolution))
+            if output is None or self.failed_since_built(resolution):
+                continue
+            if verification is None or verification.order < output.order:
+                verify.append(resolution)
+        verifiers = tuple(verifier(r) for r in verify)
+        if self.gate(verify):
+            return verifiers
+        if verify:
+            return (*verifiers, CROP_BBOX)
+        crop, failure = self.latest(CROP_BBOX), self.failed_verifications.get(CROP_BBOX)
+        verified = max(m.order for r in RESOLUTION_NAMES if (m := self.latest(verifier(r))) is not None)
+        if failure is not None and failure.storage_id > verified and self.failed_since_built(CROP_BBOX):
+            return ()
+        return (CROP_BBOX,) if crop is None or self.crop_stale() else ()
 
     def verified_fingerprints(self, stages: Stages) -> dict[str, str | None]:
         """The outputs a restatement of `stages` vouches for, with the fingerprint each had when checked."""

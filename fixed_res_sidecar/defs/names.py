@@ -18,6 +18,7 @@ from fixed_res_sidecar.defs.run_resources import DATASET_TAG  # noqa: F401 (re-e
 # A run of the fidelity sweep (defs/fidelity_sweep.py) carries this tag set to "true": its shards are
 # verified again although their results are on record, each comparing rows not compared before.
 SWEEP_TAG = "sidecar/fidelity_sweep"
+AUTOMATION_TAG = "sidecar/automation"  # on the automation sensor's runs and backfills (defs/automation.py)
 
 # The resolution names ("512", "1024") in asset names (`resized_512`, `verify_1024`), from the
 # one table of resolutions (area, audit prefix, dataset folder: `core.resolutions.RESOLUTIONS`).

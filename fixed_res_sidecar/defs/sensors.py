@@ -1,4 +1,4 @@
-"""Sensors: shard discovery per dataset, and the automation that gates `crop_bbox`.
+"""The shard discovery sensor of each dataset.
 
 Discovery (`<dataset>__discover_shards`, on the dataset's interval) lists the main prefix page
 by page and compares it with what it saw before (kept per shard in the instance's key-value
@@ -30,16 +30,13 @@ run requests go back to the daemon. The daemon keeps a tick's cursor only once i
 tick's requests, so the cursor carries the tick's number and the shards it requested are kept
 until then (`PENDING_KEY`): a tick whose requests were lost requests them again in the next one.
 
-Automation (`<dataset>__automation`, running by default): evaluates the assets'
-automation conditions, so `crop_bbox` of a shard is built once both verifiers' blocking
-checks passed for that shard, also when they pass in a later run.
+The runs that follow a shard's runs (a verifier, crop_bbox) are the automation sensor's (automation.py).
 """
 
 import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import dagster as dg
 
@@ -210,18 +207,27 @@ def main_events(
     return events
 
 
-def shard_run_requests(dataset: DatasetConfig, rels: list[str], order: Sequence[str]) -> list[dg.RunRequest]:
-    """Runs that resize, verify and crop `rels`: a run covers one range of consecutive partitions (in
-    `order`, the order they were added), at most `shards_per_run` of them. More than
-    `BACKFILL_ABOVE_RUNS` such runs: one backfill of `rels` instead."""
-    keys, tags = DatasetKeys(dataset.name), dataset_run_tags(dataset)
+def shard_run_requests(
+    dataset: DatasetConfig,
+    rels: list[str],
+    order: Sequence[str],
+    assets: Sequence[dg.AssetKey] | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> list[dg.RunRequest]:
+    """Runs that build `assets` (default: resize, verify and crop) of `rels`: a run covers one range of
+    consecutive partitions (in `order`, the order they were added), at most `shards_per_run` of them.
+    More than `BACKFILL_ABOVE_RUNS` such runs: one backfill of `rels` instead. `tags` add to the dataset's."""
+    keys, tags = DatasetKeys(dataset.name), {**dataset_run_tags(dataset), **(tags or {})}
     ranges = consecutive_ranges(rels, order, dataset.shards_per_run)
     if len(ranges) > BACKFILL_ABOVE_RUNS:
         shards = [rel for batch in ranges for rel in batch]
-        return [backfill_request(shard_partitions(keys), dict.fromkeys(keys.shard_assets, shards), tags)]
+        return [backfill_request(shard_partitions(keys), dict.fromkeys(assets or keys.shard_assets, shards), tags)]
     return [
         dg.RunRequest(
-            run_key=None, partition_key=batch[0] if len(batch) == 1 else None, tags={**tags, **range_tags(batch)}
+            run_key=None,
+            partition_key=batch[0] if len(batch) == 1 else None,
+            asset_selection=list(assets) if assets else None,
+            tags={**tags, **range_tags(batch)},
         )
         for batch in ranges
     ]
@@ -345,27 +351,3 @@ def discovery_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
         return discovery_tick(dataset, context.instance, context.cursor, sidecar.observe_threads, context.log)
 
     return _discover
-
-
-def automation_sensor(dataset: DatasetConfig) -> dg.AutomationConditionSensorDefinition:
-    """Evaluates the automation conditions of one dataset's assets; running by default.
-
-    Open-source Dagster ships its default automation sensor stopped; this one starts with
-    the code location, so the cross-run gate on `crop_bbox` works without a click.
-    """
-    keys = DatasetKeys(dataset.name)
-    # Passed only when set: Dagster warns of the beta parameter whenever it is given.
-    where: dict[str, Any] = {"use_user_code_server": True} if dataset.automation.in_code_server else {}
-    return dg.AutomationConditionSensorDefinition(
-        name=keys.automation_sensor,
-        target=dg.AssetSelection.groups(keys.group),
-        default_status=dg.DefaultSensorStatus.RUNNING,
-        minimum_interval_seconds=dataset.automation.interval_seconds,
-        run_tags=dataset_run_tags(dataset),
-        description=(
-            f"Every {dataset.automation.interval_seconds} s: builds {keys.crop_bbox.to_user_string()} of a shard "
-            "once both verifiers' blocking checks passed for it (and re-verifies shards whose resized outputs "
-            "were rebuilt)."
-        ),
-        **where,
-    )

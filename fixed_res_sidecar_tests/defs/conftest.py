@@ -92,8 +92,8 @@ def run_shard(defs: dg.Definitions, instance, job_name: str, rel: str, selection
 
 
 def run_request(defs: dg.Definitions, instance, request: dg.RunRequest) -> dg.ExecuteInProcessResult:
-    """Execute a discovery sensor's run request in process, as the daemon would launch it: the implicit asset
-    job of the dataset's shard assets (what the sensor targets), with its partition or range tags."""
+    """Execute a sensor's run request in process, as the daemon would launch it: the implicit asset job of
+    the dataset's shard assets (what the sensors target), its selection of them, its partition or range tags."""
     from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 
     shard_assets = list(DatasetKeys(request.tags[DATASET_TAG]).shard_assets)
@@ -101,7 +101,7 @@ def run_request(defs: dg.Definitions, instance, request: dg.RunRequest) -> dg.Ex
     assert job is not None
     return job.execute_in_process(
         instance=instance,
-        asset_selection=shard_assets,
+        asset_selection=list(request.asset_selection or shard_assets),
         partition_key=request.partition_key,
         tags=request.tags,
         run_config=QUIET,

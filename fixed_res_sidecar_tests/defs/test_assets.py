@@ -8,7 +8,7 @@ import dagster as dg
 import pytest
 
 from fixed_res_sidecar.core.audit import ERROR_CODES
-from fixed_res_sidecar.defs.assets import CROP_BBOX_CONDITION
+from fixed_res_sidecar.defs.automation import automation_tick
 from fixed_res_sidecar.defs.dataset_audit import audit_dataset
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.history import FAILED_VERIFICATION
@@ -66,7 +66,7 @@ def test_graph_shape():
     # One multi-asset (one decode) holds both resolutions and can be subset.
     resized = graph.assets_def_for_key(KEYS.resized("512"))
     assert resized is graph.assets_def_for_key(KEYS.resized("1024")) and resized.can_subset
-    assert graph.get(KEYS.crop_bbox).automation_condition == CROP_BBOX_CONDITION
+    assert graph.get(KEYS.crop_bbox).automation_condition is None  # the automation sensor's (defs/automation.py)
     for resolution in RESOLUTION_NAMES:
         checks = [graph.get(k) for k in graph.asset_check_keys if k.asset_key == KEYS.verify(resolution)]
         assert sorted(c.key.name for c in checks) == sorted(verify.RESIZED_CHECKS)
@@ -258,12 +258,11 @@ def refusal(result: dg.ExecuteInProcessResult, rel: str) -> str:
 
 
 @pytest.mark.stress
-@pytest.mark.filterwarnings("ignore::dagster.BetaWarning")  # raised inside Dagster's own evaluator
 def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tiny_defs, instance):
     dataset = tiny_config.datasets[0]
     good, bad = "part-a.parquet", "nested/x/part-b.parquet"
     register(instance, tiny_config)
-    automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance)  # the daemon's first tick
+    automation = automation_tick(dataset, instance, None)  # the sensor's first tick
 
     resized, verifiers = [KEYS.resized(r) for r in RESOLUTION_NAMES], [KEYS.verify(r) for r in RESOLUTION_NAMES]
     for rel in (good, bad):
@@ -282,10 +281,10 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
         ("tiny/verify_512:keys_match", bad): "FAILED",
     }
 
-    # Across runs: automation requests crop_bbox for the good shard only.
-    automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance, cursor=automation.cursor)
-    assert automation.get_requested_partitions(KEYS.crop_bbox) == {good}
-    assert automation.total_requested == 1  # nothing else: the verifiers ran after their inputs
+    # Across runs: the automation sensor requests crop_bbox for the good shard only.
+    automation = automation_tick(dataset, instance, automation.cursor)
+    (request,) = automation.run_requests  # nothing else: the verifiers ran after their inputs
+    assert request.partition_key == good and request.asset_selection == [KEYS.crop_bbox]
 
     # In the same run: verified again and cropped; the damaged shard stops at its verifier. (A run that
     # also builds it rebuilds the output its verification failed on: test_wrong_pictures_... below.)
@@ -297,8 +296,7 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
     assert dataset.output("crop_bbox").exists(good) and not dataset.output("crop_bbox").exists(bad)
 
     # Afterwards automation still does not build it, and a run of crop_bbox alone is refused.
-    automation = dg.evaluate_automation_conditions(defs=tiny_defs, instance=instance, cursor=automation.cursor)
-    assert automation.get_requested_partitions(KEYS.crop_bbox) == set() and automation.total_requested == 0
+    assert not automation_tick(dataset, instance, automation.cursor).run_requests
     alone = run_shard(tiny_defs, instance, "tiny__build_shards", bad, selection=[KEYS.crop_bbox])
     message = refusal(alone, bad)
     assert (
@@ -311,9 +309,9 @@ def test_damaged_shard_is_gated_in_the_same_run_and_across_runs(tiny_config, tin
 
 
 def test_a_verifier_restated_after_the_crop_keeps_its_place_and_the_crop_is_restated(tiny_config, tiny_defs, instance):
-    """What the automation sensor may do after a batch: run a verifier alone for an up-to-date shard (it
-    is restated, materialised after crop_bbox), then crop_bbox alone. The restatement keeps its place in
-    the build order, so crop_bbox is restated too, not rebuilt, and the audit does not call it stale."""
+    """A verifier run alone for an up-to-date shard (a user's run: it is restated, materialised after
+    crop_bbox), then crop_bbox alone. The restatement keeps its place in the build order, so crop_bbox is
+    restated too, not rebuilt, and the audit does not call it stale."""
     rel = "part-a.parquet"
     register(instance, tiny_config)
     built = run_shard(tiny_defs, instance, "tiny__build_shards", rel)

@@ -380,6 +380,39 @@ def test_updates_keep_the_newer_record():
     assert failed.state() is ShardState.FAILED and shard.state() is ShardState.COMPLETE
 
 
+# crop_bbox failed (45), then a verification was done again (50): the crop is built again from it.
+CROP_FAILED_THEN_VERIFIED = complete(
+    materializations={verifier("512"): built(50, "verify-run", fingerprint="fp-512")},
+    checks={**passed_on(verifier("512"), 50), f"{CROP_BBOX}:boxes_valid": CheckRecord(CheckState.FAILED, None, 46)},
+    failed_verifications={CROP_BBOX: built(45, "crop-run")},
+)
+ONLY_512_BUILT = ShardLedger("a.parquet", {MAIN: built(1, "", source="v1"), resized("512"): built(10, source="v1")})
+
+
+@pytest.mark.parametrize(
+    ("shard", "follow_up"),
+    [
+        (NEVER_BUILT, ()),
+        (complete(), ()),
+        (REBUILT_UNVERIFIED, (verifier("512"), CROP_BBOX)),  # verified, then cropped by the same run
+        (FAILED_THEN_REBUILT, (verifier("512"), CROP_BBOX)),  # the failure was about an earlier build
+        (ONLY_512_BUILT, (verifier("512"),)),  # the 1024 output gates the crop
+        (NO_CROP, (CROP_BBOX,)),
+        (VERIFIED_AFTER_CROP, (CROP_BBOX,)),
+        (CROP_FAILED_THEN_VERIFIED, (CROP_BBOX,)),
+        (RESTATED_AFTER_CROP, ()),  # a restatement keeps its place: the crop is not older than it
+        (KEYS_FAILED, ()),  # the operator's: verifying the same bytes again can only fail again
+        (FIDELITY_FAILED, ()),
+        (CROP_FAILED, ()),
+        (PASSED_ON_OLDER, ()),  # the latest verification did not pass: no crop
+        (PLANNED, ()),
+        (REMOVED, ()),
+    ],
+)
+def test_what_follows_a_run_for_each_state(shard, follow_up):
+    assert _ledger(shard).follow_up() == follow_up
+
+
 @pytest.mark.parametrize(
     "shard", [complete(), NEVER_BUILT, REMOVED, RESTATED_AFTER_CROP, PLANNED, FIDELITY_FAILED, CROP_FAILED]
 )

@@ -23,7 +23,6 @@ from fixed_res_sidecar.defs.sensors import (
     BACKFILL_ABOVE_RUNS,
     STATE_KEY,
     ShardCursor,
-    automation_sensor,
     discover_shards,
     discovery_sensor,
     discovery_tick,
@@ -38,9 +37,7 @@ from fixed_res_sidecar_tests.defs.conftest import (
     TINY_SHARDS,
     dataset_entry,
     make_config,
-    register,
     run_request,
-    run_shard,
     write_tiny,
 )
 from fixed_res_sidecar_tests.fixtures.datasets import recrawl_main_shard, tree_snapshot
@@ -291,48 +288,11 @@ def test_sensor_statuses(tiny_config, tmp_path, tiny_main):
     running = make_config(
         dataset_entry(
             "on", tiny_main, tmp_path / "o2", sensor={"default_status": "running", "interval_seconds": 15},
-            automation={"interval_seconds": 300},
         )
     )  # fmt: skip
     sensor = discovery_sensor(running.datasets[0])
     assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
     assert sensor.minimum_interval_seconds == 15
-    automation = automation_sensor(dataset)
-    assert isinstance(automation, dg.AutomationConditionSensorDefinition)
-    assert automation.default_status == dg.DefaultSensorStatus.RUNNING
-    assert automation.name == "tiny__automation"
-    assert automation.minimum_interval_seconds == 30  # the default
-    assert automation_sensor(running.datasets[0]).minimum_interval_seconds == 300
-
-
-@pytest.mark.filterwarnings("ignore::dagster.BetaWarning")  # use_user_code_server, and inside the evaluator
-def test_an_automation_sensor_in_the_code_server_asks_to_verify_a_rebuilt_shard(tiny_main, tmp_path, instance):
-    """`automation.in_code_server`: the sensor is evaluated as user code (the code server's process), with
-    the same conditions: a shard whose resized outputs were built in a run that did not verify them is
-    verified next, and nothing else is asked for."""
-    config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", automation={"in_code_server": True}))
-    defs = build_definitions(config)
-    repository = defs.get_repository_def()
-    register(instance, config)
-
-    def evaluate(sensor: dg.SensorDefinition, cursor: str | None):
-        return sensor.evaluate_tick(
-            dg.build_sensor_context(instance=instance, cursor=cursor, repository_def=repository)
-        )
-
-    # The default sensor is the daemon's to evaluate: user code refuses to.
-    with pytest.raises(NotImplementedError, match="cannot be evaluated like regular user-space sensors"):
-        evaluate(automation_sensor(make_config(dataset_entry("tiny", tiny_main, tmp_path / "d")).datasets[0]), None)
-    sensor = automation_sensor(config.datasets[0])
-    first = evaluate(sensor, None)
-    assert first.run_requests == []
-    rel = TINY_SHARDS[0]
-    resized = [DatasetKeys("tiny").resized(r) for r in RESOLUTION_NAMES]
-    assert run_shard(defs, instance, "tiny__build_shards", rel, selection=resized).success
-    second = evaluate(sensor, first.cursor)
-    asked = {(key, request.partition_key) for request in second.run_requests for key in request.asset_selection or []}
-    assert asked == {(DatasetKeys("tiny").verify(r), rel) for r in RESOLUTION_NAMES}
-    assert evaluate(sensor, second.cursor).run_requests == []  # asked once
 
 
 @pytest.mark.parametrize("text", [None, "", "garbage", "[1, 2]", '{"after": "x", "passes": "many"}'])

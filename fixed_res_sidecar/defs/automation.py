@@ -1,0 +1,200 @@
+"""The automation sensor of one dataset (`<dataset>__automation`, running by default): the runs that
+follow a shard's runs, as its ledger says (`ShardLedger.follow_up`): a verifier after an output was
+built by a run that did not verify it, and crop_bbox once both verifiers' checks passed for the shard,
+also when they pass in a later run (SPEC 7's gate across runs).
+
+Not Dagster's automation conditions (`eager()` on the verifiers and crop_bbox): they are evaluated over
+every partition at each tick, and each condition's subsets are written into the cursor, 30-60 s a tick
+at 100,000 partitions (docs/performance.md). This tick reads only what was recorded since the last
+ones, so it costs what the runs did, not what the dataset holds. Each tick:
+
+1. reads the materializations of the shard assets, and the failed verifications, recorded after
+   `settled`. On Postgres concurrent writers commit out of order (audit_state.py), so events are read
+   again until they have surely committed (`audit_state.settle`, as the dataset audit does), and
+   `handled` keeps a shard from being decided twice on one event. At most `EVENTS_PER_TICK` records
+   per asset and kind: a longer backlog (a first tick on a long history) is read over several ticks;
+2. a shard whose latest event is crop_bbox's materialization or a failed verification needs nothing
+   (a failure is for the operator, as with Dagster's `~execution_failed()`); the others wait until
+   the run that wrote that event has ended, then at most `LEDGERS_PER_TICK` of them have their ledgers
+   read;
+3. asks each ledger what follows, and requests runs of those assets, ranges of at most
+   `shards_per_run` shards (more than `BACKFILL_ABOVE_RUNS` runs' worth: one backfill), tagged
+   `AUTOMATION_TAG`.
+"""
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import dagster as dg
+
+from fixed_res_sidecar.defs import history, ledger
+from fixed_res_sidecar.defs.audit_state import SETTLE_SECONDS, settle
+from fixed_res_sidecar.defs.config import DatasetConfig
+from fixed_res_sidecar.defs.names import AUTOMATION_TAG, DatasetKeys
+from fixed_res_sidecar.defs.sensors import shard_run_requests
+
+EVENTS_PER_TICK = 10_000  # records read per asset and kind in one tick
+LEDGERS_PER_TICK = 500  # shards whose ledgers one tick reads (a few queries each); the rest wait
+RUNS_PER_QUERY = 1000
+
+
+@dataclass
+class AutomationCursor:
+    """How far the sensor read (`settled`, `marks`: audit_state.settle), and the shards it is following."""
+
+    settled: int = 0
+    marks: list[list[float]] = field(default_factory=list)
+    waiting: dict[str, list] = field(default_factory=dict)  # rel -> [storage id, run id] of its latest event
+    handled: dict[str, int] = field(default_factory=dict)  # rel -> storage id of the event it was decided on
+
+    @classmethod
+    def parse(cls, text: str | None) -> "AutomationCursor":
+        try:
+            data = json.loads(text or "")
+            return cls(
+                int(data["settled"]),
+                [[float(when), int(high)] for when, high in data["marks"]],
+                {rel: [int(storage_id), str(run_id)] for rel, (storage_id, run_id) in data["waiting"].items()},
+                {rel: int(storage_id) for rel, storage_id in data["handled"].items()},
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return cls()  # none yet, or unreadable: read from the start
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class LatestEvent:
+    storage_id: int
+    run_id: str
+    final: bool  # nothing follows it (crop_bbox's materialization, a failed verification)
+
+
+def automation_tick(
+    dataset: DatasetConfig,
+    instance: dg.DagsterInstance,
+    cursor: str | None,
+    settle_seconds: float = SETTLE_SECONDS,
+) -> dg.SensorResult:
+    keys = DatasetKeys(dataset.name)
+    state = AutomationCursor.parse(cursor)
+    started = time.time()
+    latest, high, backlog = _latest_events(instance, keys, state.settled, started - 2 * settle_seconds)
+    for rel, event in latest.items():
+        if event.final or state.handled.get(rel, 0) >= event.storage_id:
+            state.waiting.pop(rel, None)
+        else:
+            state.waiting[rel] = [event.storage_id, event.run_id]
+    ended = _ended_runs(instance, {run_id for _, run_id in state.waiting.values()})
+    ready = [rel for rel, (_, run_id) in state.waiting.items() if run_id in ended][:LEDGERS_PER_TICK]
+    follow_ups: dict[tuple[str, ...], list[str]] = {}
+    for rel, shard in history.read_ledgers(instance, keys, ready).items():
+        state.handled[rel] = state.waiting.pop(rel)[0]
+        if assets := shard.follow_up():
+            follow_ups.setdefault(assets, []).append(rel)
+    state.settled, state.marks = settle(state.marks, high, state.settled, started, settle_seconds)
+    if backlog:  # an old backlog: what was read up to `high` had long committed
+        state.settled, state.marks = high, []
+    state.handled = {rel: storage_id for rel, storage_id in state.handled.items() if storage_id > state.settled}
+    requests = _run_requests(dataset, instance, follow_ups)
+    if not requests:
+        return dg.SensorResult(skip_reason=_skip_reason(state, len(ready)), cursor=state.to_json())
+    return dg.SensorResult(run_requests=requests, cursor=state.to_json())
+
+
+def _latest_events(
+    instance: dg.DagsterInstance, keys: DatasetKeys, after: int, long_ago: float
+) -> tuple[dict[str, LatestEvent], int, bool]:
+    """Each shard's latest event after `after` among the shard assets' materializations and failed
+    verifications; the largest storage id read; and whether that was an old backlog (a kind had more
+    than a page, and the last record read was recorded before `long_ago`)."""
+    assets = history.asset_keys(keys)
+    reads = [(name, instance.fetch_materializations, assets[name]) for name in ledger.SHARD_ASSETS]
+    reads += [(name, instance.fetch_observations, assets[name]) for name in history.VERIFIED_ASSETS]
+    pages = [(name, fetch is instance.fetch_observations, _page(fetch, key, after)) for name, fetch, key in reads]
+    # A kind with more than a page: every kind is read up to that page's last record only, so none is skipped.
+    upto = min((page.records[-1].storage_id for _, _, page in pages if page.has_more), default=None)
+    latest: dict[str, LatestEvent] = {}
+    high, newest = after, None
+    for name, observations, page in pages:
+        for record in page.records:
+            if upto is not None and record.storage_id > upto:
+                break
+            if record.storage_id > high:
+                high, newest = record.storage_id, record
+            rel = record.partition_key
+            if rel is None or (observations and not history.is_failed_verification(record)):
+                continue
+            held = latest.get(rel)
+            if held is None or record.storage_id > held.storage_id:
+                latest[rel] = LatestEvent(record.storage_id, record.run_id, observations or name == ledger.CROP_BBOX)
+    backlog = upto is not None and newest is not None and newest.timestamp <= long_ago
+    return latest, high, backlog
+
+
+def _page(fetch, key: dg.AssetKey, after: int):
+    records_filter = dg.AssetRecordsFilter(asset_key=key, after_storage_id=after)
+    return history.storage_call(fetch, records_filter, limit=EVENTS_PER_TICK, ascending=True)
+
+
+def _ended_runs(instance: dg.DagsterInstance, run_ids: set[str]) -> set[str]:
+    """The runs of `run_ids` that ended, or that the instance no longer has."""
+    unfinished: set[str] = set()
+    for chunk in _chunks(sorted(run_ids), RUNS_PER_QUERY):
+        records = history.storage_call(instance.get_run_records, dg.RunsFilter(run_ids=chunk), limit=len(chunk))
+        unfinished.update(r.dagster_run.run_id for r in records if not r.dagster_run.is_finished)
+    return run_ids - unfinished
+
+
+def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _run_requests(
+    dataset: DatasetConfig, instance: dg.DagsterInstance, follow_ups: dict[tuple[str, ...], list[str]]
+) -> list[dg.RunRequest]:
+    """Runs of each set of follow-up assets over its shards, in partition order (retired partitions left out)."""
+    if not follow_ups:
+        return []
+    keys = DatasetKeys(dataset.name)
+    assets = history.asset_keys(keys)
+    order = instance.get_dynamic_partitions(keys.partitions)
+    known = set(order)
+    requests = []
+    for names, rels in sorted(follow_ups.items()):
+        shards = [rel for rel in rels if rel in known]
+        selection = [assets[name] for name in names]
+        if shards:
+            requests += shard_run_requests(dataset, shards, order, selection, {AUTOMATION_TAG: "true"})
+    return requests
+
+
+def _skip_reason(state: AutomationCursor, read: int) -> str:
+    waiting = f"; {len(state.waiting)} shard(s) wait for their runs to end" if state.waiting else ""
+    return f"nothing to follow up ({read} shard ledger(s) read){waiting}"
+
+
+def automation_sensor(dataset: DatasetConfig) -> dg.SensorDefinition:
+    """The automation sensor of one dataset; running by default, so that the cross-run gate on
+    `crop_bbox` works without a click."""
+    keys = DatasetKeys(dataset.name)
+
+    @dg.sensor(
+        name=keys.automation_sensor,
+        asset_selection=dg.AssetSelection.assets(*keys.shard_assets),
+        minimum_interval_seconds=dataset.automation.interval_seconds,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description=(
+            f"Every {dataset.automation.interval_seconds} s: reads what the runs recorded since its last ticks, and "
+            f"builds {keys.crop_bbox.to_user_string()} of a shard once both verifiers' blocking checks passed for it "
+            "(and verifies again the shards whose resized outputs were rebuilt without their verifiers)."
+        ),
+    )
+    def _automation(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        return automation_tick(dataset, context.instance, context.cursor)
+
+    return _automation

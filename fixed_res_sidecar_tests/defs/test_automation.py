@@ -1,0 +1,136 @@
+"""The automation sensor: the runs that follow a shard's runs, decided by its ledger, from the events
+recorded since the last ticks (a real instance, real runs of the tiny dataset)."""
+
+import dagster as dg
+import pytest
+
+from fixed_res_sidecar.defs import automation
+from fixed_res_sidecar.defs.automation import AutomationCursor, automation_sensor, automation_tick
+from fixed_res_sidecar.defs.names import AUTOMATION_TAG, DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar_tests.defs.conftest import (
+    TINY_SHARDS,
+    dataset_entry,
+    make_config,
+    register,
+    run_request,
+    run_shard,
+)
+
+KEYS = DatasetKeys("tiny")
+RESIZED = [KEYS.resized(r) for r in RESOLUTION_NAMES]
+VERIFIERS = [KEYS.verify(r) for r in RESOLUTION_NAMES]
+
+
+def asked(result: dg.SensorResult) -> set[tuple[str, str]]:
+    """(asset, shard) of every run a tick requests (one shard each here)."""
+    pairs = set()
+    for request in result.run_requests or []:
+        assert request.partition_key and request.tags[AUTOMATION_TAG] == "true" and request.tags[DATASET_TAG] == "tiny"
+        pairs |= {(key.path[-1], request.partition_key) for key in request.asset_selection or []}
+    return pairs
+
+
+def test_the_sensor_runs_by_default_on_the_configured_interval(tiny_main, tmp_path):
+    config = make_config(dataset_entry("tiny", tiny_main, tmp_path / "out", automation={"interval_seconds": 300}))
+    sensor = automation_sensor(config.datasets[0])
+    assert sensor.name == "tiny__automation" and sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    assert sensor.minimum_interval_seconds == 300
+    assert set(sensor.asset_selection.resolve(_graph(config))) == set(KEYS.shard_assets)
+
+
+def _graph(config):
+    from fixed_res_sidecar.defs.dataset_definitions import build_definitions
+
+    return build_definitions(config).resolve_asset_graph()
+
+
+def test_a_shard_built_without_its_verifiers_is_verified_and_cropped_once(tiny_config, tiny_defs, instance):
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    first = automation_tick(dataset, instance, None)
+    assert not first.run_requests and "nothing to follow up" in str(first.skip_reason)
+    built, untouched = TINY_SHARDS
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", built, selection=RESIZED).success
+
+    second = automation_tick(dataset, instance, first.cursor)
+    assert asked(second) == {("verify_512", built), ("verify_1024", built), ("crop_bbox", built)}
+    third = automation_tick(dataset, instance, second.cursor)  # the same events read again: not asked twice
+    assert not third.run_requests
+    (request,) = second.run_requests
+    result = run_request(tiny_defs, instance, request)
+    assert result.success
+    assert {(e.asset_key.path[-1], e.partition) for e in result.get_asset_materialization_events()} == {
+        ("verify_512", built), ("verify_1024", built), ("crop_bbox", built)
+    }  # fmt: skip
+    assert not automation_tick(dataset, instance, third.cursor).run_requests  # complete: nothing follows
+    assert untouched not in instance.get_materialized_partitions(KEYS.crop_bbox)
+
+
+def test_a_crop_follows_a_verification_in_a_later_run_and_a_failed_run_is_left_to_the_operator(
+    tiny_config, tiny_defs, instance
+):
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    rel = TINY_SHARDS[0]
+    cursor = automation_tick(dataset, instance, None).cursor
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[*RESIZED, KEYS.verify("512")]).success
+    result = automation_tick(dataset, instance, cursor)
+    assert asked(result) == {("verify_1024", rel), ("crop_bbox", rel)}  # 512 was verified by the run itself
+
+    # That run failed before it wrote anything (the launcher lost it): the sensor does not ask again.
+    (request,) = result.run_requests
+    assert not automation_tick(dataset, instance, result.cursor).run_requests
+    assert run_request(tiny_defs, instance, request).success
+    assert instance.get_materialized_partitions(KEYS.crop_bbox) == {rel}
+
+
+def test_a_shard_waits_until_the_run_that_wrote_its_latest_event_ended(tiny_config, tiny_defs, instance):
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    rel = TINY_SHARDS[0]
+    built = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=RESIZED)
+    # As if that run were still going (it may yet verify and crop the shard itself).
+    instance.run_storage.handle_run_event(
+        built.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_START.value, job_name=built.dagster_run.job_name)
+    )
+    assert not instance.get_run_by_id(built.run_id).is_finished
+    waiting = automation_tick(dataset, instance, None)
+    assert not waiting.run_requests and "1 shard(s) wait for their runs to end" in str(waiting.skip_reason)
+    assert {rel: run_id for rel, (_, run_id) in AutomationCursor.parse(waiting.cursor).waiting.items()} == {
+        rel: built.run_id
+    }
+
+    instance.run_storage.handle_run_event(
+        built.run_id, dg.DagsterEvent(dg.DagsterEventType.RUN_SUCCESS.value, job_name=built.dagster_run.job_name)
+    )
+    assert asked(automation_tick(dataset, instance, waiting.cursor)) == {
+        ("verify_512", rel), ("verify_1024", rel), ("crop_bbox", rel)
+    }  # fmt: skip
+
+
+def test_a_backlog_is_read_over_several_ticks_and_settled_events_are_not_read_again(
+    tiny_config, tiny_defs, instance, monkeypatch
+):
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    for rel in TINY_SHARDS:
+        assert run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=RESIZED).success
+    monkeypatch.setattr(automation, "EVENTS_PER_TICK", 1)  # a page of one record per asset and kind
+    cursor, found, first_complete = None, set(), None
+    for tick in range(1, 21):
+        result = automation_tick(dataset, instance, cursor, settle_seconds=0)  # every event has committed
+        found |= asked(result)
+        cursor = result.cursor
+        if first_complete is None and len(found) == 6:
+            first_complete = tick
+    assert found == {(f"verify_{r}", rel) for r in RESOLUTION_NAMES for rel in TINY_SHARDS} | {
+        ("crop_bbox", rel) for rel in TINY_SHARDS
+    }
+    assert first_complete is not None and first_complete >= 2  # not all in the first tick
+    state = AutomationCursor.parse(cursor)
+    assert state.settled > 0 and state.handled == {} and state.waiting == {}
+
+
+@pytest.mark.parametrize("text", [None, "", "garbage", "[1]", '{"settled": "x"}'])
+def test_an_unreadable_cursor_reads_from_the_start(text):
+    assert AutomationCursor.parse(text) == AutomationCursor()
