@@ -162,14 +162,6 @@ def remembered_demo(folder: Path) -> tuple[Path, Path] | None:
     return (workdir, home) if (workdir / "datasets.yaml").is_file() else None
 
 
-def show_automation_on(instance) -> None:
-    """Clear the instance's legacy "auto-materialize paused" flag, which the UI shows as "Auto-materialize
-    off" although this project's automation runs in its automation sensors (which ignore the flag)."""
-    from fixed_res_sidecar.defs.dagster_private import set_auto_materialize_paused
-
-    set_auto_materialize_paused(instance, False)
-
-
 def register_shards(instance, dataset: DatasetConfig) -> list[str]:
     """Discovery ticks in process, until the listing is complete; returns the new partitions. The tick
     records main's shards and adds their partitions itself; the demo runs the shards itself."""
@@ -240,7 +232,6 @@ def run_demo(
 
     with dagster_home(workdir) as home, dg.DagsterInstance.get() as instance:
         remember_demo(Path.cwd(), workdir, home)
-        show_automation_on(instance)
         new = register_shards(instance, dataset)
         rels = sorted(instance.get_dynamic_partitions(keys.partitions))
         say(f"{len(rels)} shards are partitions of {keys.partitions} ({len(new)} new); Dagster home {home}")

@@ -119,12 +119,6 @@ def prepare_home(home: Path) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "dagster.yaml").exists():
         shutil.copyfile(INSTANCE_YAML, home / "dagster.yaml")
-    import dagster as dg
-
-    from fixed_res_sidecar.demo import show_automation_on
-
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        show_automation_on(instance)
     workspace = home / WORKSPACE_FILE
     workspace.write_text(
         "# Written by `sidecar-ops ui`: the code location, built from the datasets file in SIDECAR_DATASETS.\n"

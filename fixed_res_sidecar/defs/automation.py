@@ -15,8 +15,9 @@ ones, so it costs what the runs did, not what the dataset holds. Each tick:
    per asset and kind: a longer backlog (a first tick on a long history) is read over several ticks;
 2. a shard whose latest event is crop_bbox's materialization or a failed verification needs nothing
    (a failure is for the operator, as with Dagster's `~execution_failed()`); the others wait until
-   the run that wrote that event has ended, then at most `LEDGERS_PER_TICK` of them have their ledgers
-   read;
+   the run that wrote that event has ended. A run that failed or was canceled leaves its shards to its
+   run retry or the operator (a follow-up would race the retry); after a successful one, at most
+   `LEDGERS_PER_TICK` of its shards have their ledgers read a tick;
 3. asks each ledger what follows, and requests runs of those assets, ranges of at most
    `shards_per_run` shards (more than `BACKFILL_ABOVE_RUNS` runs' worth: one backfill), tagged
    `AUTOMATION_TAG`.
@@ -36,7 +37,7 @@ from fixed_res_sidecar.defs.names import AUTOMATION_TAG, DatasetKeys
 from fixed_res_sidecar.defs.sensors import shard_run_requests
 
 EVENTS_PER_TICK = 10_000  # records read per asset and kind in one tick
-LEDGERS_PER_TICK = 500  # shards whose ledgers one tick reads (a few queries each); the rest wait
+LEDGERS_PER_TICK = 200  # shards whose ledgers one tick reads (about 20 queries each); the rest wait
 RUNS_PER_QUERY = 1000
 
 
@@ -88,8 +89,12 @@ def automation_tick(
             state.waiting.pop(rel, None)
         else:
             state.waiting[rel] = [event.storage_id, event.run_id]
-    ended = _ended_runs(instance, {run_id for _, run_id in state.waiting.values()})
-    ready = [rel for rel, (_, run_id) in state.waiting.items() if run_id in ended][:LEDGERS_PER_TICK]
+    succeeded, failed = _ended_runs(instance, {run_id for _, run_id in state.waiting.values()})
+    for rel, (storage_id, run_id) in list(state.waiting.items()):
+        if run_id in failed:
+            state.handled[rel] = storage_id
+            del state.waiting[rel]
+    ready = [rel for rel, (_, run_id) in state.waiting.items() if run_id in succeeded][:LEDGERS_PER_TICK]
     follow_ups: dict[tuple[str, ...], list[str]] = {}
     for rel, shard in history.read_ledgers(instance, keys, ready).items():
         state.handled[rel] = state.waiting.pop(rel)[0]
@@ -140,13 +145,18 @@ def _page(fetch, key: dg.AssetKey, after: int):
     return history.storage_call(fetch, records_filter, limit=EVENTS_PER_TICK, ascending=True)
 
 
-def _ended_runs(instance: dg.DagsterInstance, run_ids: set[str]) -> set[str]:
-    """The runs of `run_ids` that ended, or that the instance no longer has."""
-    unfinished: set[str] = set()
+def _ended_runs(instance: dg.DagsterInstance, run_ids: set[str]) -> tuple[set[str], set[str]]:
+    """The runs of `run_ids` that succeeded (or that the instance no longer has), and those that failed or
+    were canceled; the others are still going."""
+    unfinished, failed = set(), set()
     for chunk in _chunks(sorted(run_ids), RUNS_PER_QUERY):
         records = history.storage_call(instance.get_run_records, dg.RunsFilter(run_ids=chunk), limit=len(chunk))
-        unfinished.update(r.dagster_run.run_id for r in records if not r.dagster_run.is_finished)
-    return run_ids - unfinished
+        for run in (record.dagster_run for record in records):
+            if not run.is_finished:
+                unfinished.add(run.run_id)
+            elif run.status != dg.DagsterRunStatus.SUCCESS:
+                failed.add(run.run_id)
+    return run_ids - unfinished - failed, failed
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:

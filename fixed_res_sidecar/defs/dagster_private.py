@@ -22,8 +22,6 @@ fetch_materializations` / `fetch_observations` with `AssetRecordsFilter`,
   `DagsterInstance.get_backfills` is public, its filter and status types are not.
 - `ASSET_PARTITION_RANGE_START_TAG`, `ASSET_PARTITION_RANGE_END_TAG`: the tags of a run over a range
   of partitions; a sensor's RunRequest for a range sets them itself (RunRequest has no range argument).
-- `set_auto_materialize_paused`: the local instance's legacy "auto-materialize paused" flag (the
-  demo clears it so that the UI does not say automation is off); the UI's switch, no public API.
 - `PARENT_RUN_ID_TAG`, `RETRY_NUMBER_TAG`, `MAX_RETRIES_TAG`: the tags run retries write on a retry
   (its parent, its number) and read on a failed run (how often it may be retried); the run
   coordinator tells an automatic retry from a user's re-execution by them, and the load guard sets
@@ -84,7 +82,6 @@ from dagster._core.storage.tags import (
     PARENT_RUN_ID_TAG,
     RETRY_NUMBER_TAG,
 )
-from dagster._daemon.asset_daemon import set_auto_materialize_paused
 from dagster._grpc.types import ExecuteRunArgs, ResumeRunArgs
 from dagster_shared.error import SerializableErrorInfo
 
@@ -123,7 +120,6 @@ __all__ = [
     "backfill_request",
     "get_input_data_version_tag",
     "get_input_event_pointer_tag",
-    "set_auto_materialize_paused",
     "store_runless_events",
 ]
 

@@ -5,7 +5,6 @@ import sys
 
 import dagster as dg
 import pytest
-from dagster._daemon.asset_daemon import get_auto_materialize_paused
 
 from fixed_res_sidecar.defs import dagster_private as private
 
@@ -104,13 +103,6 @@ def test_backfill_filter_and_range_tags(instance):
     # The run tags of a range run, which the sensors set themselves on a RunRequest.
     assert private.ASSET_PARTITION_RANGE_START_TAG == "dagster/asset_partition_range_start"
     assert private.ASSET_PARTITION_RANGE_END_TAG == "dagster/asset_partition_range_end"
-
-
-def test_the_auto_materialize_paused_flag(instance):
-    private.set_auto_materialize_paused(instance, True)
-    assert get_auto_materialize_paused(instance)
-    private.set_auto_materialize_paused(instance, False)
-    assert not get_auto_materialize_paused(instance)
 
 
 @dg.asset
