@@ -117,9 +117,8 @@ def _latest_events(
     verifications; the largest storage id read; and whether that was an old backlog (a kind had more
     than a page, and the last record read was recorded before `long_ago`)."""
     assets = history.asset_keys(keys)
-    reads = [(name, instance.fetch_materializations, assets[name]) for name in ledger.SHARD_ASSETS]
-    reads += [(name, instance.fetch_observations, assets[name]) for name in history.VERIFIED_ASSETS]
-    pages = [(name, fetch is instance.fetch_observations, _page(fetch, key, after)) for name, fetch, key in reads]
+    pages = [(name, False, _page(instance.fetch_materializations, assets[name], after)) for name in ledger.SHARD_ASSETS]
+    pages += [(name, True, _page(instance.fetch_observations, assets[name], after)) for name in history.VERIFIED_ASSETS]
     # A kind with more than a page: every kind is read up to that page's last record only, so none is skipped.
     upto = min((page.records[-1].storage_id for _, _, page in pages if page.has_more), default=None)
     latest: dict[str, LatestEvent] = {}
