@@ -13,11 +13,13 @@ ones, so it costs what the runs did, not what the dataset holds. Each tick:
    again until they have surely committed (`audit_state.settle`, as the dataset audit does), and
    `handled` keeps a shard from being decided twice on one event. At most `EVENTS_PER_TICK` records
    per asset and kind: a longer backlog (a first tick on a long history) is read over several ticks;
-2. a shard whose latest event is crop_bbox's materialization or a failed verification needs nothing
-   (a failure is for the operator, as with Dagster's `~execution_failed()`); the others wait until
-   the run that wrote that event has ended. A run that failed or was canceled leaves its shards to its
-   run retry or the operator (a follow-up would race the retry); after a successful one, at most
-   `LEDGERS_PER_TICK` of its shards have their ledgers read a tick;
+2. a shard whose latest event is a failed verification needs nothing (a failure is for the operator, as
+   with Dagster's `~execution_failed()`), nor one whose latest event is crop_bbox's materialization by a
+   run that verified every output it built. The others wait until the run that wrote that event has
+   ended. A run that failed and will be retried leaves its shards to the retry (a follow-up would race
+   it), a canceled one to the operator; after the others (a success, a data failure, which is never
+   retried), at most `LEDGERS_PER_TICK` shards a tick have their ledgers read. A ledger that holds a
+   newer event than the one waited on is decided on that event instead, once its run ended;
 3. asks each ledger what follows, and requests runs of those assets, ranges of at most
    `shards_per_run` shards (more than `BACKFILL_ABOVE_RUNS` runs' worth: one backfill), tagged
    `AUTOMATION_TAG`.
@@ -33,7 +35,8 @@ import dagster as dg
 from fixed_res_sidecar.defs import history, ledger
 from fixed_res_sidecar.defs.audit_state import SETTLE_SECONDS, settle
 from fixed_res_sidecar.defs.config import DatasetConfig
-from fixed_res_sidecar.defs.names import AUTOMATION_TAG, DatasetKeys
+from fixed_res_sidecar.defs.names import AUTOMATION_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.defs.sensors import shard_run_requests
 
 EVENTS_PER_TICK = 10_000  # records read per asset and kind in one tick
@@ -71,7 +74,17 @@ class AutomationCursor:
 class LatestEvent:
     storage_id: int
     run_id: str
-    final: bool  # nothing follows it (crop_bbox's materialization, a failed verification)
+    name: str  # the asset's ledger name ("crop_bbox")
+    failure: bool  # a failed verification (an observation)
+
+    def final(self, built_by_its_run: set[str]) -> bool:
+        """Nothing follows it: a failed verification, or crop_bbox built by a run that verified every output
+        it built (a run may build an output and crop_bbox without its verifier: that output is verified next)."""
+        if self.failure:
+            return True
+        return self.name == ledger.CROP_BBOX and all(
+            ledger.verifier(r) in built_by_its_run for r in RESOLUTION_NAMES if ledger.resized(r) in built_by_its_run
+        )
 
 
 def automation_tick(
@@ -83,24 +96,29 @@ def automation_tick(
     keys = DatasetKeys(dataset.name)
     state = AutomationCursor.parse(cursor)
     started = time.time()
-    latest, high, backlog = _latest_events(instance, keys, state.settled, started - 2 * settle_seconds)
+    latest, final, high, backlog = _latest_events(instance, keys, state.settled, started - 2 * settle_seconds)
     for rel, event in latest.items():
-        if event.final or state.handled.get(rel, 0) >= event.storage_id:
+        if rel in state.waiting and state.waiting[rel][0] > event.storage_id:
+            continue  # a newer event waits already (this read stopped short of it)
+        if rel in final or state.handled.get(rel, 0) >= event.storage_id:
             state.waiting.pop(rel, None)
         else:
             state.waiting[rel] = [event.storage_id, event.run_id]
-    succeeded, failed = _ended_runs(instance, {run_id for _, run_id in state.waiting.values()})
+    followed, left = _ended_runs(instance, {run_id for _, run_id in state.waiting.values()})
     for rel, (storage_id, run_id) in list(state.waiting.items()):
-        if run_id in failed:
+        if run_id in left:
             state.handled[rel] = storage_id
             del state.waiting[rel]
-    ready = [rel for rel, (_, run_id) in state.waiting.items() if run_id in succeeded][:LEDGERS_PER_TICK]
+    ready = [rel for rel, (_, run_id) in state.waiting.items() if run_id in followed][:LEDGERS_PER_TICK]
     follow_ups: dict[tuple[str, ...], list[str]] = {}
     for rel, shard in history.read_ledgers(instance, keys, ready).items():
-        state.handled[rel] = state.waiting.pop(rel)[0]
+        storage_id = state.handled[rel] = state.waiting.pop(rel)[0]
+        if _newest_event(shard) > storage_id:
+            continue  # another run wrote to the shard since: it is decided on that run's event, once it ended
         if assets := shard.follow_up():
             follow_ups.setdefault(assets, []).append(rel)
-    state.settled, state.marks = settle(state.marks, high, state.settled, started, settle_seconds)
+    settled, state.marks = settle(state.marks, high, state.settled, started, settle_seconds)
+    state.settled = min(settled, high)  # never past what this tick read (it may have stopped at a page's end)
     if backlog:  # an old backlog: what was read up to `high` had long committed
         state.settled, state.marks = high, []
     state.handled = {rel: storage_id for rel, storage_id in state.handled.items() if storage_id > state.settled}
@@ -112,16 +130,17 @@ def automation_tick(
 
 def _latest_events(
     instance: dg.DagsterInstance, keys: DatasetKeys, after: int, long_ago: float
-) -> tuple[dict[str, LatestEvent], int, bool]:
+) -> tuple[dict[str, LatestEvent], set[str], int, bool]:
     """Each shard's latest event after `after` among the shard assets' materializations and failed
-    verifications; the largest storage id read; and whether that was an old backlog (a kind had more
-    than a page, and the last record read was recorded before `long_ago`)."""
+    verifications; the shards whose latest event is final; the largest storage id read; and whether that was
+    an old backlog (a kind had more than a page, and the last record read was recorded before `long_ago`)."""
     assets = history.asset_keys(keys)
     pages = [(name, False, _page(instance.fetch_materializations, assets[name], after)) for name in ledger.SHARD_ASSETS]
     pages += [(name, True, _page(instance.fetch_observations, assets[name], after)) for name in history.VERIFIED_ASSETS]
     # A kind with more than a page: every kind is read up to that page's last record only, so none is skipped.
     upto = min((page.records[-1].storage_id for _, _, page in pages if page.has_more), default=None)
     latest: dict[str, LatestEvent] = {}
+    built: dict[tuple[str, str], set[str]] = {}  # (shard, run) -> the assets the run materialised for it
     high, newest = after, None
     for name, observations, page in pages:
         for record in page.records:
@@ -132,11 +151,14 @@ def _latest_events(
             rel = record.partition_key
             if rel is None or (observations and not history.is_failed_verification(record)):
                 continue
+            if not observations:
+                built.setdefault((rel, record.run_id), set()).add(name)
             held = latest.get(rel)
             if held is None or record.storage_id > held.storage_id:
-                latest[rel] = LatestEvent(record.storage_id, record.run_id, observations or name == ledger.CROP_BBOX)
+                latest[rel] = LatestEvent(record.storage_id, record.run_id, name, observations)
     backlog = upto is not None and newest is not None and newest.timestamp <= long_ago
-    return latest, high, backlog
+    final = {rel for rel, event in latest.items() if event.final(built.get((rel, event.run_id), set()))}
+    return latest, final, high, backlog
 
 
 def _page(fetch, key: dg.AssetKey, after: int):
@@ -145,17 +167,26 @@ def _page(fetch, key: dg.AssetKey, after: int):
 
 
 def _ended_runs(instance: dg.DagsterInstance, run_ids: set[str]) -> tuple[set[str], set[str]]:
-    """The runs of `run_ids` that succeeded (or that the instance no longer has), and those that failed or
-    were canceled; the others are still going."""
-    unfinished, failed = set(), set()
+    """The runs of `run_ids` whose shards are followed up: those that succeeded, failed on data (never
+    retried: its other shards are whole), or that the instance no longer has; and those whose shards are
+    left to their run retry (failed otherwise) or to the operator (canceled). The others are still going."""
+    unfinished, left = set(), set()
     for chunk in _chunks(sorted(run_ids), RUNS_PER_QUERY):
         records = history.storage_call(instance.get_run_records, dg.RunsFilter(run_ids=chunk), limit=len(chunk))
         for run in (record.dagster_run for record in records):
             if not run.is_finished:
                 unfinished.add(run.run_id)
-            elif run.status != dg.DagsterRunStatus.SUCCESS:
-                failed.add(run.run_id)
-    return run_ids - unfinished - failed, failed
+            elif run.status == dg.DagsterRunStatus.CANCELED or (
+                run.status == dg.DagsterRunStatus.FAILURE and run.tags.get(RETRY_ON_FAILURE_TAG) != "false"
+            ):
+                left.add(run.run_id)
+    return run_ids - unfinished - left, left
+
+
+def _newest_event(shard: ledger.ShardLedger) -> int:
+    """The storage id of the newest shard-asset event a ledger holds (main's left out)."""
+    events = [m for name, m in shard.materializations.items() if name != ledger.MAIN]
+    return max((m.storage_id for m in [*events, *shard.failed_verifications.values()]), default=0)
 
 
 def _chunks(items: list[str], size: int) -> Iterator[list[str]]:

@@ -7,6 +7,7 @@ import pytest
 from fixed_res_sidecar.defs import automation
 from fixed_res_sidecar.defs.automation import AutomationCursor, automation_sensor, automation_tick
 from fixed_res_sidecar.defs.names import AUTOMATION_TAG, DATASET_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar_tests.defs.conftest import (
     TINY_SHARDS,
     dataset_entry,
@@ -82,12 +83,36 @@ def test_a_crop_follows_a_verification_in_a_later_run_and_is_asked_for_once(tiny
     assert instance.get_materialized_partitions(KEYS.crop_bbox) == {rel}
 
 
+def test_an_output_built_with_crop_bbox_but_without_its_verifier_is_verified_next(tiny_config, tiny_defs, instance):
+    """crop_bbox as a shard's latest event ends its follow-ups only when its run verified every output it built."""
+    dataset = tiny_config.datasets[0]
+    register(instance, tiny_config)
+    rel = TINY_SHARDS[0]
+    assert run_shard(tiny_defs, instance, "tiny__build_shards", rel).success  # built, verified, cropped
+    cursor = automation_tick(dataset, instance, None).cursor
+    partial = run_shard(tiny_defs, instance, "tiny__build_shards", rel, selection=[KEYS.resized("512"), KEYS.crop_bbox])
+    assert partial.success
+    built = {e.asset_key for e in partial.get_asset_materialization_events()}
+    assert built == {KEYS.resized("512"), KEYS.crop_bbox}
+    assert asked(automation_tick(dataset, instance, cursor)) == {("verify_512", rel), ("crop_bbox", rel)}
+
+
 def _set_status(instance: dg.DagsterInstance, run: dg.DagsterRun, event: dg.DagsterEventType) -> None:
     instance.run_storage.handle_run_event(run.run_id, dg.DagsterEvent(event.value, job_name=run.job_name))
 
 
-@pytest.mark.parametrize("end", [dg.DagsterEventType.RUN_SUCCESS, dg.DagsterEventType.RUN_FAILURE])
-def test_a_shard_waits_until_its_run_ended_and_a_failed_run_is_left_to_its_retry(tiny_config, tiny_defs, instance, end):
+@pytest.mark.parametrize(
+    ("end", "retried", "followed"),
+    [
+        (dg.DagsterEventType.RUN_SUCCESS, "true", True),
+        (dg.DagsterEventType.RUN_FAILURE, "true", False),  # its retry builds the shard again: not raced
+        (dg.DagsterEventType.RUN_FAILURE, "false", True),  # failed on data, never retried: its shards are whole
+        (dg.DagsterEventType.RUN_CANCELED, "true", False),  # the operator's call
+    ],
+)
+def test_a_shard_waits_until_its_run_ended_and_a_failed_run_is_left_to_its_retry(
+    tiny_config, tiny_defs, instance, end, retried, followed
+):
     dataset = tiny_config.datasets[0]
     register(instance, tiny_config)
     rel = TINY_SHARDS[0]
@@ -100,11 +125,12 @@ def test_a_shard_waits_until_its_run_ended_and_a_failed_run_is_left_to_its_retry
         rel: built.run_id
     }
 
+    instance.add_run_tags(built.run_id, {RETRY_ON_FAILURE_TAG: retried})  # a data failure sets it to "false"
     _set_status(instance, built, end)
     after = automation_tick(dataset, instance, waiting.cursor)
-    if end == dg.DagsterEventType.RUN_SUCCESS:
+    if followed:
         assert asked(after) == {("verify_512", rel), ("verify_1024", rel), ("crop_bbox", rel)}
-    else:  # the run's retry (or the operator) builds it again: a follow-up would race the retry
+    else:
         assert not after.run_requests and "wait" not in str(after.skip_reason)
     assert AutomationCursor.parse(after.cursor).waiting == {}
 
