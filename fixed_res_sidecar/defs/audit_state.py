@@ -25,6 +25,7 @@ from fixed_res_sidecar.defs import history, ledger
 from fixed_res_sidecar.defs.checks import COVERAGE_COMPARABLE, COVERAGE_EVER, COVERAGE_SINCE
 from fixed_res_sidecar.defs.ledger import ShardLedger
 from fixed_res_sidecar.defs.names import DatasetKeys
+from fixed_res_sidecar.defs.partitions import chunks
 from fixed_res_sidecar.shards.verify.fidelity import SCORE_BINS
 
 STATE_KEY = "fixed_res_sidecar/dataset_audit/{dataset}"
@@ -83,7 +84,7 @@ def update_state(
     if gone := _shards_of_deleted_runs(instance, state):
         for rel in gone:
             del state.shards[rel]
-        for chunk in _chunks(sorted(gone), PARTITIONS_PER_QUERY):
+        for chunk in chunks(sorted(gone), PARTITIONS_PER_QUERY):
             read += _read_events(instance, keys, state, after=0, known=0, partitions=chunk)
     after, known = state.cursors.get("settled", 0), state.cursors.get("high", 0)
     read += _read_events(instance, keys, state, after=after, known=known)
@@ -174,14 +175,9 @@ def _shards_of_deleted_runs(instance: dg.DagsterInstance, state: AuditState) -> 
             if fields[1]:
                 runs_of.setdefault(fields[1], set()).add(rel)
     existing: set[str] = set()
-    for chunk in _chunks(sorted(runs_of), RUNS_PER_QUERY):
+    for chunk in chunks(sorted(runs_of), RUNS_PER_QUERY):
         existing.update(history.storage_call(instance.get_run_ids, dg.RunsFilter(run_ids=chunk), limit=len(chunk)))
     return {rel for run_id, rels in runs_of.items() if run_id not in existing for rel in rels}
-
-
-def _chunks(items: list[str], size: int):
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _keep_numbers(shard: dict[str, Any], name: str, record: dg.EventLogRecord) -> None:

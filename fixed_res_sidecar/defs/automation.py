@@ -27,21 +27,20 @@ ones, so it costs what the runs did, not what the dataset holds. Each tick:
 
 import json
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import dagster as dg
 
 from fixed_res_sidecar.defs import history, ledger
-from fixed_res_sidecar.defs.audit_state import SETTLE_SECONDS, settle
+from fixed_res_sidecar.defs.audit_state import RUNS_PER_QUERY, SETTLE_SECONDS, settle
 from fixed_res_sidecar.defs.config import DatasetConfig
 from fixed_res_sidecar.defs.names import AUTOMATION_TAG, RESOLUTION_NAMES, DatasetKeys
+from fixed_res_sidecar.defs.partitions import chunks
 from fixed_res_sidecar.defs.run_resources import RETRY_ON_FAILURE_TAG
 from fixed_res_sidecar.defs.sensors import shard_run_requests
 
 EVENTS_PER_TICK = 10_000  # records read per asset and kind in one tick
 LEDGERS_PER_TICK = 200  # shards whose ledgers one tick reads (about 20 queries each); the rest wait
-RUNS_PER_QUERY = 1000
 
 
 @dataclass
@@ -171,7 +170,7 @@ def _ended_runs(instance: dg.DagsterInstance, run_ids: set[str]) -> tuple[set[st
     retried: its other shards are whole), or that the instance no longer has; and those whose shards are
     left to their run retry (failed otherwise) or to the operator (canceled). The others are still going."""
     unfinished, left = set(), set()
-    for chunk in _chunks(sorted(run_ids), RUNS_PER_QUERY):
+    for chunk in chunks(sorted(run_ids), RUNS_PER_QUERY):
         records = history.storage_call(instance.get_run_records, dg.RunsFilter(run_ids=chunk), limit=len(chunk))
         for run in (record.dagster_run for record in records):
             if not run.is_finished:
@@ -187,11 +186,6 @@ def _newest_event(shard: ledger.ShardLedger) -> int:
     """The storage id of the newest shard-asset event a ledger holds (main's left out)."""
     events = [m for name, m in shard.materializations.items() if name != ledger.MAIN]
     return max((m.storage_id for m in [*events, *shard.failed_verifications.values()]), default=0)
-
-
-def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _run_requests(
