@@ -565,8 +565,12 @@ STALLED_STARTS = 3  # run workers that never start: more than the two retries a 
 
 @contextmanager
 def busy_cores(count: int = 2):
-    """`count` processes spinning on a core each (the machine as busy as a loaded node), killed afterwards."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    """`count` processes spinning on a core each, killed afterwards: no core of the machine is ever idle,
+    as on a node shared with batch jobs. At the lowest priority (nice 19), so that they take the cores'
+    idle time and not the time of the suite's other workers; the long starts a loaded machine brings are
+    made by `StalledRunStarts`, deterministically."""
+    spin = [sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"]
+    spinners = [subprocess.Popen(spin) for _ in range(count)]
     try:
         yield spinners
     finally:
