@@ -235,17 +235,21 @@ def start_with_backfills(deployment, backfills: dict[str, list[str]]) -> list[st
 
 def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_path):
     """Three datasets backfilled at once: every shard built with all its checks, never more than
-    max_concurrent_runs runs in progress, never more than the per-dataset limit of one dataset's runs."""
+    max_concurrent_runs runs in progress, never more than the per-dataset limit of one dataset's runs.
+    Four runs: three datasets' first runs compete for the two slots (the global limit binds), and the
+    first dataset's second run waits for its first (the per-dataset limit binds)."""
     settings = dagster_deployment.write_instance(InstanceSettings(max_concurrent_runs=2, per_dataset_limit=1))
     limit = settings["concurrency"]["runs"]["max_concurrent_runs"]
     shards = ["part-0.parquet", "deep/part-1.parquet"]
-    names = ["fleet_a", "fleet_b", "fleet_c"]
-    config = datasets_config(dagster_deployment, *(tiny_dataset(tmp_path, name, shards) for name in names))
+    shards_of = {"fleet_a": shards, "fleet_b": shards[:1], "fleet_c": shards[1:]}
+    names = list(shards_of)
+    config = datasets_config(dagster_deployment, *(tiny_dataset(tmp_path, n, rels) for n, rels in shards_of.items()))
     with dagster_deployment.instance() as instance:
         for name in names:
-            assert register(instance, config, name) == sorted(shards)
-    shard_jobs = [DatasetKeys(name).shard_job for name in names]
-    start_with_backfills(dagster_deployment, dict.fromkeys(shard_jobs, shards))
+            assert register(instance, config, name) == sorted(shards_of[name])
+    backfills = {DatasetKeys(name).shard_job: rels for name, rels in shards_of.items()}
+    shard_jobs = list(backfills)
+    start_with_backfills(dagster_deployment, backfills)
 
     with dagster_deployment.instance() as instance:
         seen_total, seen_per_dataset = 0, 0
@@ -260,7 +264,7 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
             seen_total = max(seen_total, len(running))
             seen_per_dataset = max([seen_per_dataset, *per_dataset.values()])
             runs = [r for r in instance.get_runs() if r.job_name in shard_jobs]
-            return len(runs) == len(names) * len(shards) and all(r.status in FINISHED for r in runs)
+            return len(runs) == sum(map(len, shards_of.values())) and all(r.status in FINISHED for r in runs)
 
         dagster_deployment.wait_on_runs(instance, all_runs_finished, RUN_TIMEOUT, "the backfills' runs to finish",
                                         interval=0.2)  # fmt: skip
@@ -270,7 +274,9 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
         records = [r for r in everything if r.dagster_run.job_name in shard_jobs]
         assert {r.dagster_run.status for r in records} == {dg.DagsterRunStatus.SUCCESS}
         run_of = {(r.dagster_run.tags[DATASET_TAG], r.dagster_run.tags[PARTITION_NAME_TAG]): r for r in records}
-        assert len(records) == len(run_of) and set(run_of) == {(name, rel) for name in names for rel in shards}
+        assert len(records) == len(run_of) and set(run_of) == {
+            (n, rel) for n, rels in shards_of.items() for rel in rels
+        }
         assert seen_total <= limit and seen_per_dataset <= 1
         # From the stored launch and end times too (every run counts); the global limit was reached.
         slots = slot_spans(instance, everything)
@@ -284,9 +290,9 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
         for (name, rel), record in run_of.items():
             for key in output_asset_keys(name):
                 assert built_by(instance, key, rel) == [record.dagster_run.run_id], (key.to_user_string(), rel)
-        assert_shards_complete(instance, config, {name: shards for name in names})
-        for name in names:
-            assert_outputs_whole(config.dataset(name), shards)
+        assert_shards_complete(instance, config, shards_of)
+        for name, rels in shards_of.items():
+            assert_outputs_whole(config.dataset(name), rels)
 
 
 def engine_messages(instance, run_id: str) -> list[str]:

@@ -133,6 +133,21 @@ def browser():
         browser.close()
 
 
+@pytest.fixture
+def new_page(browser):
+    """`new_page(base)`: a `Page` on the UI at `base`, closed when the test ends. A page left open keeps
+    polling the webserver (and Chromium keeps rendering it) through the module's later tests."""
+    pages: list[Page] = []
+
+    def open_page(base: str) -> Page:
+        pages.append(Page(browser, base))
+        return pages[-1]
+
+    yield open_page
+    for page in pages:
+        page.page.close()
+
+
 class Page:
     """A browser page on the UI that records console errors and load times."""
 
@@ -172,9 +187,9 @@ class Page:
             self.page.screenshot(path=str(Path(SCREENSHOTS, f"{name}.png")), full_page=True)
 
 
-def test_an_auditor_sees_the_truth_in_the_ui(ui, browser):
+def test_an_auditor_sees_the_truth_in_the_ui(ui, new_page):
     base, workdir = ui
-    page = Page(browser, base)
+    page = new_page(base)
 
     page.open("/assets/sample/audit?view=checks", "dataset_audit")
     expected = [
@@ -268,9 +283,9 @@ def check_partitions(name: str, asset: str = "verify_512") -> str:
     return f"/assets/sample/{asset}?view=checks&checkDetail={name}"
 
 
-def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, browser):
+def test_each_shard_of_a_batch_shows_its_own_truth_and_a_repair_clears_it(ui, new_page):
     base, workdir = ui
-    page = Page(browser, base)
+    page = new_page(base)
     shards = ["part-00000.parquet", DAMAGED]
     # The damaged shard alone: its verifier check failed, its crop_bbox failed (refused, in a failed run)
     # and its sidecar checks did not run in that run; the restated neighbour is green everywhere.

@@ -21,12 +21,13 @@ from fixed_res_sidecar.defs.audit_triggers import AUDIT_AFTER_TAG
 from fixed_res_sidecar.defs.config import load_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.names import DatasetKeys
-from fixed_res_sidecar_tests.cli.test_ui import (  # noqa: F401 (browser: a fixture)
+from fixed_res_sidecar_tests.cli.test_ui import (  # noqa: F401 (browser, new_page: fixtures)
     Page,
     browser,
     check_partitions,
     demo_environment,
     detached_ui,
+    new_page,
     shards_with_status,
 )
 from fixed_res_sidecar_tests.defs.conftest import QUIET
@@ -145,9 +146,9 @@ def reload_until(page: Page, path: str, ready: str, expected: list[str], timeout
             return text
 
 
-def test_a_failed_backfill_shows_in_the_audit_within_a_minute_and_every_view_agrees(live_ui, browser):  # noqa: F811
+def test_a_failed_backfill_shows_in_the_audit_within_a_minute_and_every_view_agrees(live_ui, new_page):  # noqa: F811
     base, workdir = live_ui
-    page = Page(browser, base)
+    page = new_page(base)
 
     # Before anything runs: the truncated shard's check says its shard could not be read, not "rows 0".
     page.open(check_partitions("shard_complete", "verify_1024"), "Latest execution")
@@ -234,9 +235,9 @@ def test_a_failed_backfill_shows_in_the_audit_within_a_minute_and_every_view_agr
     assert project_errors == [], project_errors
 
 
-def test_the_repair_takes_three_clicks_and_the_audit_passes_within_a_minute(live_ui, browser):  # noqa: F811
+def test_the_repair_takes_three_clicks_and_the_audit_passes_within_a_minute(live_ui, new_page):  # noqa: F811
     base, workdir = live_ui
-    page, clicks = Page(browser, base), Clicks()
+    page, clicks = new_page(base), Clicks()
     page.open("/assets/sample/audit", "repair the failed shards")
     # Playwright writes a pattern into its selector as /.../: the slashes of the path escaped.
     link = page.page.get_by_role("link", name=re.compile(r"^\/guess\/sample__build_shards\?partition="))
