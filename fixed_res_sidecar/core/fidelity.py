@@ -2,7 +2,7 @@
 
 The expected image is the pipeline's own render of the source with the settings the output is
 expected to have been built with (its dataset's, never what its footer claims), before any lossy
-encoder (`core.pixel_settings.reference_options`). Two PSNRs against it: the stored output's, and
+encoder (`core.pixel_settings.reference_options`; the finished pixels, never encoded). Two PSNRs against it: the stored output's, and
 that of the expected image encoded again with those settings (what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
 
     score = min(PSNR(stored), PSNR_CAP) - min(PSNR(fresh encode), PSNR_CAP)
@@ -99,14 +99,14 @@ def expected_output(
     reference = reference_options(rendering.options)
     results = renders.get((areas, reference)) if renders is not None else None
     if results is None:
-        results = process_image(source, list(areas), reference, budget)
+        results = process_image(source, list(areas), reference, budget, encode=False)
         if renders is not None:
             renders[(areas, reference)] = results
     result = results[areas.index(area)]
     if not result.record.valid:
         return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
-    assert result.image is not None  # a valid result holds its image
-    image = decoded(result.image)
+    image = result.finished
+    assert image is not None  # a valid result of an unencoded render holds its finished image
     return Expected(image, psnr(image, decoded(encode_output(image, rendering.options)))), None
 
 
@@ -174,20 +174,28 @@ def psnr(expected: Image.Image, stored: Image.Image) -> float:
     a cut-out on a transparent background had its error diluted by the pixels nobody sees: q30, q60 and a
     blur of an object filling a fifth of the picture scored 0.00 (PSNR above the cap). Opaque images:
     the visible area is every pixel, the plain PSNR."""
-    alpha = has_alpha(expected) or has_alpha(stored)
-    reference, compared = comparable_pixels(expected, alpha), comparable_pixels(stored, alpha)
-    error = reference - compared
-    squared = float(np.sum(error * error, dtype=np.float64))
-    if squared == 0.0:
-        return IDENTICAL_PSNR
-    if alpha:
+    if has_alpha(expected) or has_alpha(stored):
+        reference, compared = comparable_pixels(expected, True), comparable_pixels(stored, True)
+        error = reference - compared
+        squared = float(np.sum(error * error, dtype=np.float64))
         visible = float(np.sum(np.maximum(reference[..., 3], compared[..., 3]), dtype=np.float64)) / 255.0
     else:
-        visible = float(reference.shape[0] * reference.shape[1])
+        squared = float(opaque_squared_error(expected, stored))
+        visible = float(expected.width * expected.height)
+    if squared == 0.0:
+        return IDENTICAL_PSNR
     # Per colour channel (an alpha error adds to it): an opaque RGBA image scores as its RGB self. At least
     # one pixel: an error where nothing shows still counts.
     mse = squared / (max(visible, 1.0) * 3)
     return min(IDENTICAL_PSNR, 10.0 * math.log10(255.0 * 255.0 / mse))
+
+
+def opaque_squared_error(expected: Image.Image, stored: Image.Image) -> int:
+    """The sum of squared differences of two images' 8-bit RGB values: in integers, exact (as the float
+    path is for 8-bit values) and about 4x faster, which counts at two PSNRs per verified row."""
+    rgb = [np.asarray(image if image.mode == "RGB" else image.convert("RGB")) for image in (expected, stored)]
+    error = np.subtract(rgb[0], rgb[1], dtype=np.int16)
+    return int(np.einsum("ijk,ijk->", error, error, dtype=np.int64))
 
 
 def has_alpha(image: Image.Image) -> bool:

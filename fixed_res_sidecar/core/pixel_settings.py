@@ -163,8 +163,9 @@ def is_integer(value: object) -> bool:
 
 
 def reference_options(options: PixelOptions) -> PixelOptions:
-    """The same rendering as `options`, encoded losslessly (PNG): the pixels an output of `options`
-    shows before its encoder's loss (what the verifier's fidelity check compares it with)."""
+    """The same rendering as `options`, lossless (PNG): the pixels an output of `options` shows before
+    its encoder's loss (what the verifier's fidelity check compares it with; it renders them with
+    `process_image(..., encode=False)`, as the PNG would only give them back)."""
     background = options.background
     if background is None and options.output_format == "jpeg":
         background = JPEG_BACKGROUND

@@ -53,7 +53,9 @@ from .render import Decoded, Intermediates, encode_output, finish, resample
 @dataclass
 class ImageResult:
     record: AuditRecord  # every field filled as SPEC 5 says
-    image: bytes | None  # encoded output, None when record.valid is False
+    image: bytes | None  # encoded output, None when record.valid is False or nothing was encoded
+    # The finished image the encoder would be given, kept instead of encoding when `encode` is False.
+    finished: Image.Image | None = None
 
 
 class _RowError(Exception):
@@ -67,9 +69,17 @@ class _RowError(Exception):
 
 
 def process_image(
-    data: bytes | None, areas: Sequence[int], options: PixelOptions, budget: MemoryBudget | None = None
+    data: bytes | None,
+    areas: Sequence[int],
+    options: PixelOptions,
+    budget: MemoryBudget | None = None,
+    encode: bool = True,
 ) -> list[ImageResult]:
     """One decode feeds every target area; returns one result per area, same order.
+
+    `encode=False` keeps each valid result's finished image (`finished`) and encodes nothing: the
+    verifier's reference pixels, which a lossless encode and decode would only give back unchanged
+    (`out_bytes` is then None).
 
     Never raises for bad input: every failure is an invalid result carrying an error code,
     a detail text and whatever is known about the source. Raises ValueError for areas that
@@ -96,7 +106,7 @@ def process_image(
                 decoded = _decode(source, known, draft)
                 if source.orientation_read_late:
                     plans = [_plan(area, known, options) for area in areas]
-                return _render_all(decoded, plans, known, options)
+                return _render_all(decoded, plans, known, options, encode)
         except _RowError as err:
             # Checks run in pipeline order: an output already refused keeps its own reason.
             return [_invalid(known, plan if isinstance(plan, _RowError) else err) for plan in plans]
@@ -231,7 +241,9 @@ def _decode(source: _Source, known: AuditRecord, draft: int) -> Decoded:
     return Decoded(pixels, source.raw_size, draft_scale, orientation, colour)
 
 
-def _render_all(decoded: Decoded, plans: list, known: AuditRecord, options: PixelOptions) -> list[ImageResult]:
+def _render_all(
+    decoded: Decoded, plans: list, known: AuditRecord, options: PixelOptions, encode: bool
+) -> list[ImageResult]:
     """One result per plan, same order; the largest outputs are made first so they can feed smaller ones."""
     results: list[ImageResult | None] = [None] * len(plans)
     intermediates: Intermediates = []
@@ -239,7 +251,7 @@ def _render_all(decoded: Decoded, plans: list, known: AuditRecord, options: Pixe
         (i for i, plan in enumerate(plans) if isinstance(plan, Geometry)), key=lambda i: plans[i].scale, reverse=True
     )
     for i in by_scale:
-        results[i] = _render(decoded, plans[i], known, options, intermediates)
+        results[i] = _render(decoded, plans[i], known, options, intermediates, encode)
     return [result if result is not None else _invalid(known, plan) for result, plan in zip(results, plans)]
 
 
@@ -249,6 +261,7 @@ def _render(
     known: AuditRecord,
     options: PixelOptions,
     intermediates: Intermediates,
+    encode: bool,
 ) -> ImageResult:
     try:
         resampled = resample(decoded, target, intermediates)
@@ -256,13 +269,15 @@ def _render(
     except Exception as exc:
         return _invalid(known, _RowError(ErrorCode.UNSUPPORTED, describe_exception(exc), target))
     try:
-        encoded = encode_output(finished, options)
+        encoded = encode_output(finished, options) if encode else None
     except Exception as exc:
         return _invalid(known, _RowError(ErrorCode.ENCODE_ERROR, describe_exception(exc), target))
     record = _with_geometry(replace(known), target)
     record.valid = True
     record.error = None
     record.error_detail = "; ".join(n for n in (record.error_detail, note) if n) or None
+    if encoded is None:
+        return ImageResult(record, None, finished)
     record.out_bytes = len(encoded)
     return ImageResult(record, encoded)
 

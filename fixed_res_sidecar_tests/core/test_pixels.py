@@ -16,7 +16,7 @@ from fixed_res_sidecar.core.audit import ERROR_CODES, AuditRecord, audit_arrays
 from fixed_res_sidecar.core.decoding import decode_memory_estimate, open_image
 from fixed_res_sidecar.core.geometry import AREA_512, AREA_1024, near_target_area
 from fixed_res_sidecar.core.memory import MemoryBudget
-from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.core.pixel_settings import PixelOptions, reference_options
 from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar_tests.fixtures.images import (
     GREY,
@@ -276,6 +276,22 @@ def test_every_good_input_is_valid(good_images):
     for name, data in good_images.items():
         for result in process_image(data, [AREA_512], DEFAULT):
             assert result.record.valid, (name, result.record)
+
+
+def test_an_unencoded_render_keeps_exactly_the_pixels_a_lossless_encode_gives_back(good_images):
+    """encode=False (the verifier's reference): each finished image is what the PNG of the same render
+    decodes to, pixel for pixel and mode for mode, for every awkward kind of input; nothing is encoded."""
+    lossless = reference_options(DEFAULT)
+    for name, data in good_images.items():
+        encoded = process_image(data, BOTH_AREAS, lossless)
+        unencoded = process_image(data, BOTH_AREAS, lossless, encode=False)
+        for stored, kept in zip(encoded, unencoded):
+            assert kept.image is None and kept.record.out_bytes is None, name
+            assert asdict(kept.record) == {**asdict(stored.record), "out_bytes": None}, name
+            assert kept.finished is not None and stored.finished is None, name
+            back = decoded(stored)
+            assert (kept.finished.mode, kept.finished.size) == (back.mode, back.size), name
+            assert kept.finished.tobytes() == back.tobytes(), name
 
 
 # ----------------------------------------------------------------------------- fuzzing
