@@ -49,8 +49,9 @@ FUSED_AREAS = tuple(resolution.area for resolution in RESOLUTIONS.values())
 SCORE_BINS = {"below_-3": -3.0, "-3_to_-1": -1.0, "-1_to_-0.25": -0.25, "-0.25_up": float("inf")}
 
 
-# A shard's other resolution reuses the sources and renders of at most this many compared rows
-# (about 2.5 MB each at most, the 1024 render dominating); past it, each check reads and renders its own.
+# A shard's other resolution reuses the sources and renders of at most this many compared rows (the
+# renders are unencoded pixels: 5.2 MB a row at most, both areas as RGBA; 335 MB for 64 rows); past it,
+# each check reads and renders its own.
 SHARED_ROWS = 64
 
 
