@@ -2,8 +2,9 @@
 
 The expected image is the pipeline's own render of the source with the settings the output is
 expected to have been built with (its dataset's, never what its footer claims), before any lossy
-encoder (`core.pixel_settings.reference_options`; the finished pixels, never encoded). Two PSNRs against it: the stored output's, and
-that of the expected image encoded again with those settings (what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
+encoder (`core.pixel_settings.reference_options`; the finished pixels, never encoded). Two PSNRs
+against it: the stored output's, and that of the expected image encoded again with those settings
+(what a fresh build stores). The score is their difference in dB, each capped at PSNR_CAP:
 
     score = min(PSNR(stored), PSNR_CAP) - min(PSNR(fresh encode), PSNR_CAP)
 
