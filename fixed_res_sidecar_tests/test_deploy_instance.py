@@ -569,14 +569,26 @@ START_RUN_DEADLINE = 30
 STALLED_STARTS = 3  # run workers that never start: more than the two retries a run gets
 
 
+SPIN = """
+import contextlib, os
+os.nice(19)
+with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as group:  # a kernel without autogroups
+    group.write("19")
+while True:
+    pass
+"""
+
+
 @contextmanager
 def busy_cores(count: int = 2):
     """`count` processes spinning on a core each, killed afterwards: no core of the machine is ever idle,
-    as on a node shared with batch jobs. At the lowest priority (nice 19), so that they take the cores'
-    idle time and not the time of the suite's other workers; the long starts a loaded machine brings are
-    made by `StalledRunStarts`, deterministically."""
-    spin = [sys.executable, "-c", "import os; os.nice(19)\nwhile True: pass"]
-    spinners = [subprocess.Popen(spin) for _ in range(count)]
+    as on a node shared with batch jobs. At the lowest priority, so that they take the cores' idle time
+    and not the time of the suite's other workers and servers: nice 19, in a session of their own whose
+    scheduling group is at nice 19 too (Linux's autogroups share the cores out per session first, so a
+    spinner in pytest's session took that session's whole share whenever its workers waited). The long
+    starts a loaded machine brings are made by `StalledRunStarts`, deterministically."""
+    spin = [sys.executable, "-c", SPIN]
+    spinners = [subprocess.Popen(spin, start_new_session=True) for _ in range(count)]
     try:
         yield spinners
     finally:
