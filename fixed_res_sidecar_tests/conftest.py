@@ -33,17 +33,17 @@ FIXTURE_MARKERS = {
 # Every marker of a tier that `-m "not slow"` (the developer loop) leaves out.
 SLOW_MARKERS = {"postgres", "deployment", "browser", "ray", "ray_cluster", "image", "install", "benchmark"}
 SLOW_MARKERS |= {"stress", "heavy"}  # no server: long runs (killed, signalled, repaired) and heavy pipelines
-# Tests holding these run one after another on one pytest-xdist worker (the group "deployment"): one
-# whole deployment at a time on this machine (`deployment_slot`; the 2-node Ray cluster's deployment
-# takes the same lock), without the other worker waiting for the lock.
-ONE_AT_A_TIME_FIXTURES = {"deployment_slot", "two_node_ray_cluster"}
+# Tests holding these hold a whole deployment: they run one after another in their lane, each lane a
+# group of one pytest-xdist worker (`deployment_lane`, `deployment_slot`; the 2-node Ray cluster's
+# deployment takes its lane's lock too), without another worker waiting for the lock.
+DEPLOYMENT_FIXTURES = {"deployment_slot", "two_node_ray_cluster"}
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto` (pyproject): one worker per core, and one more when the slow tier runs. The deployments
-    run one at a time on one worker and mostly wait on the daemon's loops (sensors, backfills); the
-    extra worker keeps the cores busy meanwhile (with one per core, CI used 1.5 of 2 cores on average).
-    The fast tier is all CPU: one worker per core."""
+    run in two lanes, a worker each, and mostly wait on the daemon's loops (sensors, backfills); the
+    third worker keeps the cores busy meanwhile, and each lane's worker takes other tests once its lane
+    is done. The fast tier is all CPU: one worker per core."""
     cores = len(os.sched_getaffinity(0))
     return cores if "not slow" in (config.option.markexpr or "") else cores + 1
 
@@ -62,12 +62,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def _xdist_group(item: pytest.Item) -> str | None:
     """`--dist loadgroup` (pyproject): each test goes to whichever worker is free, but the deployments
-    run one at a time on one worker, and the tests of a module that share a module fixture (the UI's
-    `dagster dev`, a Ray cluster, the image) stay on one worker, so that fixture is made once."""
+    run one at a time in each of two lanes, a worker each, and the tests of a module that share a module
+    fixture (the UI's `dagster dev`, a Ray cluster, the image) stay on one worker, so that fixture is
+    made once."""
     fixtures = getattr(item, "_fixtureinfo", None)
     definitions = fixtures.name2fixturedefs if fixtures is not None else {}
-    if ONE_AT_A_TIME_FIXTURES & set(definitions):
-        return "deployment"
+    if DEPLOYMENT_FIXTURES & set(definitions):
+        # imported once pytest_plugins loaded it (its asserts rewritten)
+        from fixed_res_sidecar_tests.fixtures.dagster_deployment import deployment_lane
+
+        return deployment_lane(item.module.__name__)
     if any(defs and defs[-1].scope == "module" for defs in definitions.values()):
         return item.module.__name__
     return None

@@ -11,7 +11,6 @@ Kills happen mid-run on an event (a temporary output file written by a process o
 never after a sleep. Each test prints its timeline; the figures are seconds after the kill.
 """
 
-import fcntl
 import json
 import re
 import subprocess
@@ -30,7 +29,12 @@ from fixed_res_sidecar.defs.dagster_private import PARENT_RUN_ID_TAG
 from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar.defs.run_resources import RAY_CONFIG_TAG
 from fixed_res_sidecar_tests.defs.conftest import register
-from fixed_res_sidecar_tests.fixtures.dagster_deployment import InstanceSettings, wait_until
+from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
+    InstanceSettings,
+    deployment_lane,
+    deployment_lock,
+    wait_until,
+)
 from fixed_res_sidecar_tests.fixtures.postgres import fresh_database
 from fixed_res_sidecar_tests.fixtures.ray_cluster import RayCluster, RayNode, command_line, ray_deployment
 from fixed_res_sidecar_tests.test_deploy_instance import (
@@ -64,23 +68,22 @@ TEMPORARY = re.compile(r"-(\d+)-[0-9a-f]{8}\.tmp$")  # io/locations.py: .<name>.
 def deployment(two_node_ray_cluster, postgres_server, tmp_path_factory):
     """The Ray deployment with its servers running and every dataset's shards registered."""
     root = tmp_path_factory.mktemp("ray-deployment")
-    with open(tmp_path_factory.getbasetemp().parent / "deployment.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one deployment at a time on this machine (see deployment_slot)
-        with fresh_database(postgres_server) as database:
-            settings = InstanceSettings(max_concurrent_runs=2, per_dataset_limit=2)
-            with ray_deployment(two_node_ray_cluster, database, root / "deployment", settings) as deployment:
-                entries = [tiny_dataset(root, name, shards, run_resources=RUN_RESOURCES, **extra)
-                           for name, (shards, extra) in DATASETS.items()]  # fmt: skip
-                deployment.config = datasets_config(deployment, *entries)
-                with deployment.instance() as instance:
-                    for name in DATASETS:
-                        assert register(instance, deployment.config, name) == shards_of(name)
-                started = time.monotonic()
-                deployment.start_code_server()
-                deployment.start_webserver()
-                deployment.start_daemon()
-                print(f"\nDagster deployment (code server, webserver, daemon) up in {time.monotonic() - started:.1f} s")
-                yield deployment
+    lanes = (deployment_lane(__name__),)  # see deployment_slot
+    with deployment_lock(tmp_path_factory.getbasetemp().parent, lanes), fresh_database(postgres_server) as database:
+        settings = InstanceSettings(max_concurrent_runs=2, per_dataset_limit=2)
+        with ray_deployment(two_node_ray_cluster, database, root / "deployment", settings) as deployment:
+            entries = [tiny_dataset(root, name, shards, run_resources=RUN_RESOURCES, **extra)
+                       for name, (shards, extra) in DATASETS.items()]  # fmt: skip
+            deployment.config = datasets_config(deployment, *entries)
+            with deployment.instance() as instance:
+                for name in DATASETS:
+                    assert register(instance, deployment.config, name) == shards_of(name)
+            started = time.monotonic()
+            deployment.start_code_server()
+            deployment.start_webserver()
+            deployment.start_daemon()
+            print(f"\nDagster deployment (code server, webserver, daemon) up in {time.monotonic() - started:.1f} s")
+            yield deployment
 
 
 @pytest.fixture
