@@ -7,6 +7,8 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
+from fixed_res_sidecar_tests.fixtures.signals import sigint_as_in_a_terminal
+
 pytest_plugins = [
     "fixed_res_sidecar_tests.fixtures.images",
     "fixed_res_sidecar_tests.fixtures.datasets",
@@ -37,6 +39,10 @@ SLOW_MARKERS |= {"stress", "heavy"}  # no server: long runs (killed, signalled, 
 # group of one pytest-xdist worker (`deployment_lane`, `deployment_slot`; the 2-node Ray cluster's
 # deployment takes its lane's lock too), without another worker waiting for the lock.
 DEPLOYMENT_FIXTURES = {"deployment_slot", "two_node_ray_cluster"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    sigint_as_in_a_terminal()  # for this process and every command the tests start, however pytest was started
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

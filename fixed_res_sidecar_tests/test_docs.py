@@ -12,7 +12,9 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -286,3 +288,33 @@ def test_the_suite_reports_each_tests_cpu_when_asked(tmp_path):
     assert len(rows) == passed > 0
     assert all(float(cpu) >= 0 and float(wall) >= 0 for cpu, wall, _ in rows)
     assert {test.split("::")[0] for _, _, test in rows} == {"fixed_res_sidecar_tests/defs/test_ledger.py"}
+
+
+# Stops at SIGTERM as Dagster's servers do: their SIGTERM handler is whatever SIGINT's is.
+LIKE_A_DAGSTER_SERVER = "import signal, time; signal.signal(signal.SIGTERM, signal.getsignal(signal.SIGINT)); print(flush=True); time.sleep(600)"
+
+
+def test_a_command_the_tests_start_stops_at_sigterm_as_dagsters_servers_do():
+    """docs/testing.md: the tests' commands get SIGINT as from a terminal (fixtures/signals.py), so a Dagster
+    server they start stops at SIGTERM instead of ignoring it until SIGKILL."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    child = subprocess.Popen([sys.executable, "-c", LIKE_A_DAGSTER_SERVER], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"\n"  # its handler is set
+        child.terminate()
+        assert child.wait(timeout=60) == -signal.SIGINT  # KeyboardInterrupt: Python ends by SIGINT
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.slow  # a pytest run in a new process
+def test_a_run_started_with_sigint_ignored_gives_its_commands_sigint_as_from_a_terminal():
+    """As a script's background job (`pytest ... &`, many CI runners) starts pytest: SIGINT ignored."""
+    done = subprocess.run(
+        ["python3", "-m", "pytest", "-q", "-n", "0",
+         "fixed_res_sidecar_tests/test_docs.py::test_a_command_the_tests_start_stops_at_sigterm_as_dagsters_servers_do"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]

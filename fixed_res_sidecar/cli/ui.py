@@ -135,7 +135,13 @@ def detach(command: list[str], env: dict[str, str], home: Path, url: str, args: 
         return usage_error(f"a UI started from {home} is already running (pid {_pid(home)}); stop it with --stop")
     with open(home / LOG_FILE, "ab") as log:
         process = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            command,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_sigint_at_its_default,
         )
     (home / PID_FILE).write_text(str(process.pid))
     deadline = time.monotonic() + STARTUP_SECONDS
@@ -160,6 +166,13 @@ def detach(command: list[str], env: dict[str, str], home: Path, url: str, args: 
     return usage_error(f"dagster dev did not answer on {url} within {STARTUP_SECONDS} s; see {home / LOG_FILE}")
 
 
+def _sigint_at_its_default() -> None:
+    """In the detached `dagster dev`, before it starts: `--stop` sends it SIGINT. This command, started in
+    the background by a script, inherits SIGINT ignored, and an ignored signal stays ignored across exec:
+    dagster dev would ignore `--stop` (and SIGTERM, which Dagster maps to SIGINT's handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def stop(home: Path) -> int:
     pid = _pid(home)
     if pid is None or not _running(home):
@@ -171,6 +184,7 @@ def stop(home: Path) -> int:
     while time.monotonic() < deadline and _group_alive(pid):
         time.sleep(0.5)
     if _group_alive(pid):
+        print(f"the UI had not stopped {STOP_SECONDS} s after SIGINT: killing it", file=sys.stderr, flush=True)
         _signal_group(pid, signal.SIGKILL)
         deadline = time.monotonic() + STOP_SECONDS
         while time.monotonic() < deadline and _group_alive(pid):

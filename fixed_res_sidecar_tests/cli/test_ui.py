@@ -11,6 +11,7 @@ damaged shard alone, and after the repair every view is green.
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -37,10 +38,15 @@ DAMAGED = "part-00001.parquet"
 SCREENSHOTS = os.environ.get("SIDECAR_SCREENSHOTS")  # keep the screenshots here to look at them
 
 
-def sidecar_ops(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def sidecar_ops(*args: str, cwd: Path, timeout: float = 180, preexec_fn=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "fixed_res_sidecar.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+        [sys.executable, "-m", "fixed_res_sidecar.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn,
+    )  # fmt: skip
+
+
+def _sigint_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def free_port() -> int:
@@ -78,9 +84,12 @@ def demo_environment(workdir: Path) -> Iterator[None]:
 @contextmanager
 def detached_ui(workdir: Path) -> Iterator[str]:
     """`sidecar-ops ui --detach` on a demo work dir, yielding its URL; stopped at the end, with everything
-    it started (webserver, daemon, code server)."""
+    it started (webserver, daemon, code server), by the SIGINT of `--stop`. Started with SIGINT ignored,
+    as a script's background job starts it: the UI must still stop at `--stop`'s SIGINT."""
     port = free_port()
-    started = sidecar_ops("ui", "--workdir", str(workdir), "--port", str(port), "--detach", cwd=workdir.parent)
+    started = sidecar_ops(
+        "ui", "--workdir", str(workdir), "--port", str(port), "--detach", cwd=workdir.parent, preexec_fn=_sigint_ignored
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
     pid = int((workdir / "dagster_home" / "dagster-dev.pid").read_text())
@@ -88,7 +97,7 @@ def detached_ui(workdir: Path) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         stopped = sidecar_ops("ui", "--workdir", str(workdir), "--stop", cwd=workdir.parent)
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert stopped.returncode == 0 and "killing it" not in stopped.stderr, stopped.stdout + stopped.stderr
         survivors = family(pid)  # zombies have exited
         assert not survivors, describe(survivors)
 

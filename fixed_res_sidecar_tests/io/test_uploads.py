@@ -13,7 +13,6 @@ from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.s3 import s3_client
 from fixed_res_sidecar.shards.runner import Terminated, raise_terminated
 from fixed_res_sidecar_tests.fixtures.s3 import incomplete_uploads
-from fixed_res_sidecar_tests.fixtures.signals import sigint_as_in_a_terminal
 
 
 def test_a_big_s3_write_is_one_completed_multipart_upload(s3_bucket, staging):
@@ -61,15 +60,14 @@ def test_a_signal_during_a_multipart_upload_aborts_it(s3_bucket, staging, signum
             sent.append(signum)
         os.kill(os.getpid(), signum)
 
-    with sigint_as_in_a_terminal():
-        previous = signal.signal(signal.SIGTERM, raise_terminated)
-        client.meta.events.register(moment, signal_once)
-        try:
-            with pytest.raises(raised):
-                location.write_bytes("b.parquet", os.urandom(3 * uploads.MULTIPART_PART_BYTES))
-        finally:
-            client.meta.events.unregister(moment, signal_once)
-            signal.signal(signal.SIGTERM, previous)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    client.meta.events.register(moment, signal_once)
+    try:
+        with pytest.raises(raised):
+            location.write_bytes("b.parquet", os.urandom(3 * uploads.MULTIPART_PART_BYTES))
+    finally:
+        client.meta.events.unregister(moment, signal_once)
+        signal.signal(signal.SIGTERM, previous)
     assert sent == [signum]
     assert incomplete_uploads(s3_bucket) == [] and not location.exists("b.parquet")
     assert list(staging.iterdir()) == []
