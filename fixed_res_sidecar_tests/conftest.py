@@ -2,6 +2,8 @@ import os
 import resource
 import sqlite3
 import time
+from collections import OrderedDict
+from collections.abc import Iterable
 
 import pytest
 from sqlalchemy import event
@@ -46,12 +48,47 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto` (pyproject): one worker per core, and one more when the slow tier runs. The deployments
-    run in two lanes, a worker each, and mostly wait on the daemon's loops (sensors, backfills); the
-    third worker keeps the cores busy meanwhile, and each lane's worker takes other tests once its lane
-    is done. The fast tier is all CPU: one worker per core."""
+    """`-n auto` (pyproject): one worker per core, and one per deployment lane when the slow tier runs.
+    The lanes' tests mostly wait on the daemon's loops (sensors, backfills) while two workers keep the
+    cores busy (`work_order`); each lane's worker takes other tests once its lane is done. The fast
+    tier is all CPU: one worker per core."""
     cores = len(os.sched_getaffinity(0))
-    return cores if "not slow" in (config.option.markexpr or "") else cores + 1
+    return cores if "not slow" in (config.option.markexpr or "") else cores + 2
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` handing out its work in `work_order`."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "ordered", False):  # the first call: every unit of work is queued
+                self.workqueue = OrderedDict((scope, self.workqueue[scope]) for scope in work_order(self.workqueue))
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return Scheduling(config, log)
+
+
+def work_order(scopes: Iterable[str]) -> list[str]:
+    """The order in which the workers get their work (xdist's scopes: a group's name, or one test's id):
+    the deployment lanes first, a worker each; then the single tests (mostly CPU), with the other groups
+    (module fixtures: a UI's `dagster dev`, a Ray cluster, the image; mostly waiting) spread over the
+    first half of them, so that while the lanes wait a worker on CPU work keeps the cores busy. xdist
+    itself hands out the biggest groups first, which left every worker waiting for the first 15 minutes
+    (1.5 of 2 cores busy) and the cores oversubscribed after."""
+    from fixed_res_sidecar_tests.fixtures.dagster_deployment import DEPLOYMENT_LANES
+
+    scopes = list(scopes)
+    lanes = [scope for scope in scopes if scope in DEPLOYMENT_LANES]
+    groups = [scope for scope in scopes if "::" not in scope and scope not in DEPLOYMENT_LANES]
+    singles = [scope for scope in scopes if "::" in scope]
+    ordered = list(singles)
+    for index, group in reversed(list(enumerate(groups))):
+        ordered.insert(index * (len(singles) // 2) // max(len(groups), 1), group)
+    return lanes + ordered
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects

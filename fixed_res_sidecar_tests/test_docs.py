@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fixed_res_sidecar.io.s3 import s3_client
+from fixed_res_sidecar_tests.conftest import work_order
 from fixed_res_sidecar_tests.fixtures.docs import FENCE, REPO, documented_block, documented_blocks
 
 TEST_BUILD = "fixed_res_sidecar_tests/cli/test_build.py"
@@ -318,3 +319,14 @@ def test_a_run_started_with_sigint_ignored_gives_its_commands_sigint_as_from_a_t
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )  # fmt: skip
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_the_workers_get_the_lanes_first_then_single_tests_with_the_other_groups_spread_among_them():
+    """docs/testing.md: the order in which pytest-xdist's workers get their work (conftest.py)."""
+    singles = [f"fixed_res_sidecar_tests/cli/test_build.py::test_{i}" for i in range(40)]
+    groups = ["fixed_res_sidecar_tests.cli.test_ui", "fixed_res_sidecar_tests.test_image"]
+    order = work_order(["deployments-2", groups[0], *singles[:10], "deployments-1", groups[1], *singles[10:]])
+    assert order[:2] == ["deployments-2", "deployments-1"]
+    assert [scope for scope in order if "::" in scope] == singles  # in their order
+    assert order.index(groups[0]) == 2 and order.index(groups[1]) == 2 + 1 + 10  # the second after a quarter
+    assert sorted(order) == sorted(["deployments-1", "deployments-2", *groups, *singles])
