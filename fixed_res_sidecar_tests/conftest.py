@@ -77,7 +77,7 @@ def work_order(scopes: Iterable[str]) -> list[str]:
     the deployment lanes first, a worker each; then the single tests (mostly CPU), with the other groups
     (module fixtures: a UI's `dagster dev`, a Ray cluster, the image; mostly waiting) spread over the
     first half of them, so that while the lanes wait a worker on CPU work keeps the cores busy. xdist
-    itself hands out the biggest groups first, which left every worker waiting for the first 15 minutes
+    itself hands out the biggest groups first, which left every worker waiting for the first 11 minutes
     (1.5 of 2 cores busy) and the cores oversubscribed after."""
     from fixed_res_sidecar_tests.fixtures.dagster_deployment import DEPLOYMENT_LANES
 

@@ -92,9 +92,11 @@ class Lingers:
     seconds: float = 600.0
 
     def __call__(self, rel: str) -> Done:
-        marker = Path(self.marker_dir, rel)
-        marker.write_text(str(os.getpid()))
+        # The marker is written inside the `try`: a test that signals once it sees the marker must find the
+        # shard unwound, however soon the signal comes (written before it, a SIGTERM landing between the
+        # two left no `.unwound` on a loaded machine).
         try:
+            Path(self.marker_dir, rel).write_text(str(os.getpid()))
             time.sleep(self.seconds)
         finally:
             Path(self.marker_dir, f"{rel}.unwound").touch()
