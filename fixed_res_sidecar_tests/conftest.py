@@ -87,7 +87,7 @@ def work_order(scopes: Iterable[str]) -> list[str]:
     singles = [scope for scope in scopes if "::" in scope]
     ordered = list(singles)
     for index, group in reversed(list(enumerate(groups))):
-        ordered.insert(index * (len(singles) // 2) // max(len(groups), 1), group)
+        ordered.insert(index * (len(singles) // 2) // len(groups), group)
     return lanes + ordered
 
 

@@ -23,6 +23,7 @@ import pytest
 from fixed_res_sidecar.io.s3 import s3_client
 from fixed_res_sidecar_tests.conftest import work_order
 from fixed_res_sidecar_tests.fixtures.docs import FENCE, REPO, documented_block, documented_blocks
+from fixed_res_sidecar_tests.fixtures.signals import sigint_ignored
 
 TEST_BUILD = "fixed_res_sidecar_tests/cli/test_build.py"
 BUILD_CMD = (
@@ -316,7 +317,7 @@ def test_a_run_started_with_sigint_ignored_gives_its_commands_sigint_as_from_a_t
         ["python3", "-m", "pytest", "-q", "-n", "0",
          "fixed_res_sidecar_tests/test_docs.py::test_a_command_the_tests_start_stops_at_sigterm_as_dagsters_servers_do"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        preexec_fn=sigint_ignored,
     )  # fmt: skip
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 

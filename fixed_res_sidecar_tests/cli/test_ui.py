@@ -11,7 +11,6 @@ damaged shard alone, and after the repair every view is green.
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from fixed_res_sidecar.defs.names import DATASET_TAG, DatasetKeys
 from fixed_res_sidecar_tests.defs.conftest import QUIET, swap_two_keys
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import automation_caught_up, wait_until
 from fixed_res_sidecar_tests.fixtures.processes import describe, family
+from fixed_res_sidecar_tests.fixtures.signals import sigint_ignored
 
 KEYS = DatasetKeys("sample")
 DAMAGED = "part-00001.parquet"
@@ -43,10 +43,6 @@ def sidecar_ops(*args: str, cwd: Path, timeout: float = 180, preexec_fn=None) ->
         [sys.executable, "-m", "fixed_res_sidecar.cli", *args],
         cwd=cwd, capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn,
     )  # fmt: skip
-
-
-def _sigint_ignored() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def free_port() -> int:
@@ -88,7 +84,7 @@ def detached_ui(workdir: Path) -> Iterator[str]:
     as a script's background job starts it: the UI must still stop at `--stop`'s SIGINT."""
     port = free_port()
     started = sidecar_ops(
-        "ui", "--workdir", str(workdir), "--port", str(port), "--detach", cwd=workdir.parent, preexec_fn=_sigint_ignored
+        "ui", "--workdir", str(workdir), "--port", str(port), "--detach", cwd=workdir.parent, preexec_fn=sigint_ignored
     )
     assert started.returncode == 0, started.stdout + started.stderr
     assert f"Browse http://127.0.0.1:{port}" in started.stdout and "sidecar-ops ui --stop" in started.stdout
