@@ -76,14 +76,13 @@ from fixed_res_sidecar.defs.shard_metadata import (
     shard_metadata,
     text_or_null,
 )
-from fixed_res_sidecar.io.locations import commit_guard
 from fixed_res_sidecar.shards import verify
 from fixed_res_sidecar.shards.pipeline import (
     PipelineOptions,
     ShardOutcome,
     Stages,
+    StagesJob,
     StoredOutputs,
-    run_stages,
 )
 from fixed_res_sidecar.shards.resize import RESIZE_OUTPUT_VERSION
 from fixed_res_sidecar.shards.runner import Progress, run_shards
@@ -269,7 +268,8 @@ def _run(
     per shard, the gate problems on record and the outputs to build again (the ledger's decision)."""
     if not rels:
         return {}, {}
-    job = _StagesJob(dataset.layout, stages, options, plans, commit_check)
+    gates, rebuilds = plans
+    job = StagesJob(dataset.layout, stages, options, gates, rebuilds, commit_check)
     if workers == 1:
         outcomes, failures = {}, {}
         for rel in rels:
@@ -280,20 +280,6 @@ def _run(
         return outcomes, failures
     summary = run_shards(job, rels, workers=workers, progress=Progress(len(rels), quiet=True))
     return summary.results, summary.failures
-
-
-class _StagesJob:
-    """`run_stages` for one shard, as the picklable job the process runner takes."""
-
-    def __init__(self, layout, stages, options, plans, commit_check=None):
-        self.layout, self.stages, self.options, (self.gates, self.rebuilds) = layout, stages, options, plans
-        self.commit_check = commit_check
-
-    def __call__(self, rel: str) -> ShardOutcome:
-        with commit_guard(self.commit_check):
-            return run_stages(
-                self.layout, rel, self.stages, self.options, self.gates.get(rel), self.rebuilds.get(rel, ())
-            )
 
 
 # -- events ------------------------------------------------------------------------------------

@@ -7,11 +7,12 @@ an outcome to record, so one shard of a batch never stops the others.
 """
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from fixed_res_sidecar.core.errors import describe_exception
 from fixed_res_sidecar.core.pixel_settings import PixelOptions
+from fixed_res_sidecar.io.locations import commit_guard
 from fixed_res_sidecar.io.parquet import ShardError
 from fixed_res_sidecar.io.retry import StorageError
 from fixed_res_sidecar.shards.crop_bbox import CropBboxResult, build_crop_bbox_shard
@@ -92,6 +93,27 @@ class ShardOutcome:
         elif self.crop_report is not None and not self.crop_report.passed:
             problems.append(f"crop_bbox failed {', '.join(c.name for c in self.crop_report.failed_checks)}")
         return problems
+
+
+@dataclass(frozen=True)
+class StagesJob:
+    """`run_stages` for one shard, with what the caller knows per shard (`gates`: the gate problems on
+    record; `rebuilds`: the outputs to build again), as the picklable job a process pool takes. Its
+    workers import this shard layer, not the Dagster definitions. Each output is published only if
+    `commit_check()` does not raise (`io.locations.commit_guard`)."""
+
+    layout: DatasetLayout
+    stages: Stages
+    options: PipelineOptions
+    gates: Mapping[str, list[str]]
+    rebuilds: Mapping[str, tuple[str, ...]]
+    commit_check: Callable[[], None] | None = None
+
+    def __call__(self, rel: str) -> ShardOutcome:
+        with commit_guard(self.commit_check):
+            return run_stages(
+                self.layout, rel, self.stages, self.options, self.gates.get(rel), self.rebuilds.get(rel, ())
+            )
 
 
 def run_stages(
