@@ -62,11 +62,19 @@ FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.Dagster
 BACKFILL_DONE = {BulkActionStatus.COMPLETED_SUCCESS, BulkActionStatus.COMPLETED_FAILED}
 
 
-def tiny_dataset(root: Path, name: str, shards: list[str], rows: int = 7, sizes=TINY_SIZES, **extra) -> dict:
+def tiny_dataset(
+    root: Path, name: str, shards: list[str], rows: int = 7, sizes=TINY_SIZES, audits_after_runs: bool = False, **extra
+) -> dict:
     """A main dataset of `shards` under `root` and its datasets-file entry (one resize thread, and
-    one shard per run: these tests follow single shards through runs, retries and limits)."""
+    one shard per run: these tests follow single shards through runs, retries and limits).
+
+    No audit after each run unless `audits_after_runs` (the shipped default is on): the tests whose
+    subject they are turn them on (the audit triggers', the concurrency limits', one Ray backfill's);
+    elsewhere they only doubled the runs a test waits for (an audit run is a run worker of its own, on a
+    Ray node a Ray job)."""
     write_sample_dataset(root / "main" / name, shards=shards, rows_per_shard=rows, row_group_size=4, sizes=sizes)
     settings = {"threads_per_shard": 1, "shards_per_run": 1, **extra}
+    settings["audit"] = {"after_runs": audits_after_runs, **settings.get("audit", {})}
     return dataset_entry(name, Location.parse(root / "main" / name), Location.parse(root / "out"), **settings)
 
 
@@ -244,7 +252,9 @@ def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_pat
     shards = ["part-0.parquet", "deep/part-1.parquet"]
     shards_of = {"fleet_a": shards, "fleet_b": shards[:1], "fleet_c": shards[1:]}
     names = list(shards_of)
-    config = datasets_config(dagster_deployment, *(tiny_dataset(tmp_path, n, rels) for n, rels in shards_of.items()))
+    config = datasets_config(
+        dagster_deployment, *(tiny_dataset(tmp_path, n, rels, audits_after_runs=True) for n, rels in shards_of.items())
+    )
     with dagster_deployment.instance() as instance:
         for name in names:
             assert register(instance, config, name) == sorted(shards_of[name])

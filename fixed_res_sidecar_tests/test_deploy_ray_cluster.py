@@ -56,7 +56,7 @@ RUN_RESOURCES = {"cpu": 1, "memory_gb": 1}  # one run per node at a time (1 CPU 
 # One dataset per test: its shards and what else its config says. The kill tests have one shard per
 # node (both runs start at once, one on each node: the worker node's is the one killed).
 DATASETS = {
-    "ray_backfill": (SHARDS, {}),
+    "ray_backfill": (SHARDS, {"audits_after_runs": True}),  # its audits run as Ray jobs beside the shards'
     "ray_node_kill": (SHARDS[:2], SLOW_SHARD),
     "ray_raylet_kill": (SHARDS[:2], SLOW_SHARD),
 }

@@ -139,7 +139,8 @@ def test_on_a_deployment_a_backfill_under_way_reads_under_way_and_its_failure_sh
         InstanceSettings(max_concurrent_runs=2, per_dataset_limit=1, max_runtime_seconds=900)
     )
     # Slow shards (seconds of resizing): the first run is caught in its step.
-    entry = tiny_dataset(tmp_path, "watched", ["a.parquet", "b.parquet"], audit={"cron": "* * * * *"}, **SLOW_SHARD)
+    entry = tiny_dataset(tmp_path, "watched", ["a.parquet", "b.parquet"], audit={"cron": "* * * * *", "after_runs": True},
+                         **SLOW_SHARD)  # fmt: skip
     Location.parse(entry["main_prefix"]).write_bytes("z-broken.parquet", b"this is not parquet")
     config = datasets_config(dagster_deployment, entry)
     with dagster_deployment.instance() as instance:
