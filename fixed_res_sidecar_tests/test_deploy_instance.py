@@ -69,7 +69,7 @@ def tiny_dataset(
     one shard per run: these tests follow single shards through runs, retries and limits).
 
     No audit after each run unless `audits_after_runs` (the shipped default is on): the tests whose
-    subject they are turn them on (the audit triggers', the concurrency limits', one Ray backfill's);
+    subject they are turn them on (the audit triggers', one dataset of the concurrency limits', the Ray backfill's);
     elsewhere they only doubled the runs a test waits for (an audit run is a run worker of its own, on a
     Ray node a Ray job)."""
     write_sample_dataset(root / "main" / name, shards=shards, rows_per_shard=rows, row_group_size=4, sizes=sizes)
@@ -245,16 +245,17 @@ def start_with_backfills(deployment, backfills: dict[str, list[str]]) -> list[st
 def test_backfills_run_within_the_concurrency_limits(dagster_deployment, tmp_path):
     """Three datasets backfilled at once: every shard built with all its checks, never more than
     max_concurrent_runs runs in progress, never more than the per-dataset limit of one dataset's runs.
-    Four runs: three datasets' first runs compete for the two slots (the global limit binds), and the
-    first dataset's second run waits for its first (the per-dataset limit binds)."""
+    Four shard runs: three datasets' first runs compete for the two slots (the global limit binds), and
+    the first dataset's second run waits for its first (the per-dataset limit binds); the first dataset's
+    audit runs compete for the slots too."""
     settings = dagster_deployment.write_instance(InstanceSettings(max_concurrent_runs=2, per_dataset_limit=1))
     limit = settings["concurrency"]["runs"]["max_concurrent_runs"]
     shards = ["part-0.parquet", "deep/part-1.parquet"]
     shards_of = {"fleet_a": shards, "fleet_b": shards[:1], "fleet_c": shards[1:]}
     names = list(shards_of)
-    config = datasets_config(
-        dagster_deployment, *(tiny_dataset(tmp_path, n, rels, audits_after_runs=True) for n, rels in shards_of.items())
-    )
+    # One dataset's audits after its runs: audit runs take run slots too, untagged (no dataset limit holds them).
+    entries = [tiny_dataset(tmp_path, n, rels, audits_after_runs=n == "fleet_a") for n, rels in shards_of.items()]
+    config = datasets_config(dagster_deployment, *entries)
     with dagster_deployment.instance() as instance:
         for name in names:
             assert register(instance, config, name) == sorted(shards_of[name])
