@@ -21,7 +21,7 @@ from fixed_res_sidecar.cli.build import format_summary
 from fixed_res_sidecar.core.pixel_settings import OUTPUT_FORMATS, SETTING_BOUNDS
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.io.s3 import s3_client
-from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar.sample_data import sample_shard_table, write_sample_dataset
 from fixed_res_sidecar.shards.runner import RunSummary
 from fixed_res_sidecar.shards.verify.report import sample_rows
 from fixed_res_sidecar_tests.fixtures.datasets import (
@@ -222,8 +222,12 @@ def test_a_patch_size_of_4097_is_refused_before_any_work(sample_main, tmp_path):
 @pytest.mark.stress
 def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
     main = Location.parse(tmp_path / "main")
-    write_sample_dataset(main, shards=["big.parquet"], rows_per_shard=64, row_group_size=16,
-                         sizes=((2400, 1800), (1800, 2400)), bad_rows=False)  # fmt: skip
+    # 64 big photos (4.3 MP), four drawn and repeated: what keeps the shard busy is decoding and encoding
+    # them, not how many pictures differ (drawing all 64 took 14 CPU-s, more than the build).
+    pictures = sample_shard_table(0, 4, sizes=((2400, 1800), (1800, 2400)), bad_rows=False)
+    table = pa.concat_tables([pictures] * 16).set_column(0, "image_key", pa.array([f"big-{i:05d}" for i in range(64)]))
+    Path(main.path).mkdir()
+    pq.write_table(table, Path(main.path) / "big.parquet", row_group_size=16)
     out = tmp_path / "out"
     args = ["build-1-05mp", "--main-prefix", main.uri, "--output-prefix", str(out), "--skip-existing"]
     process = subprocess.Popen([*SIDECAR_OPS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
