@@ -23,6 +23,7 @@ from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.defs.names import DatasetKeys
 from fixed_res_sidecar_tests.cli.test_ui import (  # noqa: F401 (browser, new_page: fixtures)
     Page,
+    answer_to,
     browser,
     check_partitions,
     demo_environment,
@@ -164,10 +165,13 @@ def test_a_failed_backfill_shows_in_the_audit_within_a_minute_and_every_view_agr
     for target in (
         page.page.get_by_text("Materialize all").first,
         page.page.get_by_role("button", name="All", exact=True),
-        page.page.get_by_role("button", name="Launch backfill"),
     ):
         without_pop_up(page.page)
         target.click()
+    without_pop_up(page.page)
+    with page.page.expect_response(answer_to("LaunchPartitionBackfill"), timeout=300_000):
+        page.page.get_by_role("button", name="Launch backfill").click()
+    page.leave()
     with instance_of(workdir) as instance:
         (run,) = wait_for(lambda: ended_shard_runs(instance, launched_at) or None, 600, "the backfill's run")
         assert run.dagster_run.status is dg.DagsterRunStatus.FAILURE and run.end_time is not None
@@ -252,12 +256,14 @@ def test_the_repair_takes_three_clicks_and_the_audit_passes_within_a_minute(live
     launch = job.get_by_role("button", name="Launch 1 run")
     launch.wait_for(timeout=30_000)
     launched_at = time.time()
-    clicks.click(launch)
+    with job.expect_response(answer_to("LaunchPipelineExecution"), timeout=300_000):
+        clicks.click(launch)
     assert clicks.count == 3
     if screenshots := os.environ.get("SIDECAR_SCREENSHOTS"):
         job.wait_for_timeout(1000)
         job.screenshot(path=str(Path(screenshots, "operator-5-repair-launched.png")))
-
+    job.close()  # the tab the link opened (new_page closes only its own pages)
+    page.leave()
     with instance_of(workdir) as instance:
         (run,) = wait_for(lambda: ended_shard_runs(instance, launched_at) or None, 600, "the repair run")
         assert run.dagster_run.status is dg.DagsterRunStatus.SUCCESS, run.dagster_run.status
