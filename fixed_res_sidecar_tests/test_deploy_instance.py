@@ -66,14 +66,17 @@ def tiny_dataset(
     root: Path, name: str, shards: list[str], rows: int = 7, sizes=TINY_SIZES, audits_after_runs: bool = False, **extra
 ) -> dict:
     """A main dataset of `shards` under `root` and its datasets-file entry (one resize thread, and
-    one shard per run: these tests follow single shards through runs, retries and limits).
+    one shard per run: these tests follow single shards through runs, retries and limits). Two rows a
+    verification compared with their source (8 by default, all or most of these shards' valid rows):
+    the verifier's own tests cover what it compares; here each compared row only cost a run a fresh
+    render and encode.
 
     No audit after each run unless `audits_after_runs` (the shipped default is on): the tests whose
     subject they are turn them on (the audit triggers', one dataset of the concurrency limits', the Ray backfill's);
     elsewhere they only doubled the runs a test waits for (an audit run is a run worker of its own, on a
     Ray node a Ray job)."""
     write_sample_dataset(root / "main" / name, shards=shards, rows_per_shard=rows, row_group_size=4, sizes=sizes)
-    settings = {"threads_per_shard": 1, "shards_per_run": 1, **extra}
+    settings = {"threads_per_shard": 1, "shards_per_run": 1, "fidelity_sample": 2, **extra}
     settings["audit"] = {"after_runs": audits_after_runs, **settings.get("audit", {})}
     return dataset_entry(name, Location.parse(root / "main" / name), Location.parse(root / "out"), **settings)
 
