@@ -24,7 +24,6 @@ from pathlib import Path
 
 import dagster as dg
 import pyarrow.parquet as pq
-import pytest
 import yaml
 from dagster._core.execution.backfill import BulkActionStatus
 from dagster._core.instance.ref import InstanceRef
@@ -675,7 +674,6 @@ class StalledRunStarts:
                     os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.whole_machine  # both cores kept busy: no other deployment beside it
 def test_a_long_outage_on_a_busy_machine_leaves_no_shard_built_but_unrecorded(private_dagster_deployment, tmp_path):
     """PostgreSQL stopped mid-backfill for longer than a run waits for its storage, with both cores kept
     busy: the run in its work fails once its wait is over. Then the run workers of its retries (and of
