@@ -11,12 +11,11 @@ over the FAILURE that monitoring wrote). The fence:
 - `run_fence(context)`, entered at the start of a step, starts a daemon thread in the run worker
   that kills the worker at once (SIGKILL: its shard worker processes first, then itself, so
   nothing of it writes again) when
-  (a) its Ray parent is gone: the job supervisor that started this entrypoint died (it ends when
-      Ray declares its node dead, the node or only its raylet having missed its health checks; Ray
-      fails the job then, and monitoring fails the run at its next poll, mostly later: a run failed
-      first is fenced by (b) within `STATUS_POLL_SECONDS`, seconds before its retry can start).
-      Checked every `PARENT_POLL_SECONDS`, with no storage call. Only for a Ray job's entrypoint
-      (another launcher's parent is no verdict on the run);
+  (a) its Ray parent is gone: the job supervisor that started this entrypoint died (with its node;
+      with only its raylet, seconds later: about when Ray declares the node dead and fails the job,
+      docs/ray.md). Checked every `PARENT_POLL_SECONDS`, with no storage call. Only for a Ray job's
+      entrypoint (another launcher's parent is no verdict on the run). Monitoring fails the run at
+      its next poll, mostly later; a run it failed first is fenced by (b);
   (b) the run is no longer STARTED (FAILURE or CANCELED, by someone else: monitoring, a user)
       in the instance, read every `STATUS_POLL_SECONDS`; CANCELING is left to Dagster's own
       termination (the worker is being stopped cleanly). A run failure written by this very process
