@@ -350,11 +350,15 @@ class ScaleBench:
         }
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds so far of the code server, the daemon and the PostgreSQL server (each with its
-        children, those that ended too: a backend per connection)."""
+        """CPU seconds so far of the code server, the daemon and PostgreSQL with PgBouncer in front of it
+        (each with its children, those that ended too: a backend per server connection)."""
         deployment, server = self.deployment, self.deployment.database.server
-        leaders = {"code_server": deployment.code_server, "daemon": deployment.daemon, "postgres": server.process}
-        return {name: cpu_seconds(p.pid, family(p.pid)) if p is not None else 0.0 for name, p in leaders.items()}
+        leaders = {"code_server": [deployment.code_server], "daemon": [deployment.daemon]}
+        leaders["postgres"] = [server.process, server.pooler]
+        return {
+            name: sum(cpu_seconds(p.pid, family(p.pid)) for p in processes if p is not None)
+            for name, processes in leaders.items()
+        }
 
     def automation_ticks(self, instance: dg.DagsterInstance, keys: DatasetKeys, after: float) -> dict[str, Any]:
         """The automation sensor's ticks that started after `after`, at that many partitions."""

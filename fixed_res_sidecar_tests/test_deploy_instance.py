@@ -211,7 +211,7 @@ def test_instance_is_deploy_with_the_default_run_launcher(dagster_deployment):
         "concurrency.runs.tag_concurrency_limits.0.limit",
         *(f"run_monitoring.{key}" for key in TEST_MONITORING),
     }
-    assert written["storage"]["postgres"]["postgres_db"]["port"] == dagster_deployment.database.server.port
+    assert written["storage"]["postgres"]["postgres_db"]["port"] == dagster_deployment.database.server.pool_port
 
     ref = InstanceRef.from_dir(str(dagster_deployment.home))
     assert ref.run_coordinator_data.class_name == deploy["run_coordinator"]["class"]

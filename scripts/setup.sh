@@ -10,11 +10,12 @@ PILLOW_SIMD=pillow-simd==12.1.1.post0
 # pkg-config its build finds no libtiff and silently leaves TIFF out.
 BUILD_HEADERS="pkg-config libwebp-dev libjpeg-dev zlib1g-dev liblcms2-dev libtiff-dev libfreetype-dev"
 # chromium: the browser tests drive Debian's Chromium with Playwright (no browser download).
-# postgresql: the Postgres-backed Dagster tests start their own server from Debian's binaries.
+# postgresql, pgbouncer: the Postgres-backed Dagster tests start their own server from Debian's binaries,
+# with PgBouncer in front (Dagster connects once per storage call; fixtures/postgres.py).
 # nodejs: the pip pyright runs on the node it finds on PATH (no node download).
 # podman, runc, mmdebstrap: scripts/build_image.sh and the image test build the container image from
 # Debian's packages, with no registry (runc: crun refuses hybrid cgroups).
-APT_PACKAGES="$BUILD_HEADERS chromium postgresql nodejs podman runc mmdebstrap"
+APT_PACKAGES="$BUILD_HEADERS chromium postgresql pgbouncer nodejs podman runc mmdebstrap"
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
