@@ -165,6 +165,7 @@ class ScaleBench:
         self.first_audit_states: dict[str, AuditState] = {}  # dataset -> the state its first audit left
         self.running = replace(RUNNING, backfill_loop_seconds=options.backfill_loop_seconds)
         self.held = replace(self.running, max_concurrent_runs=0)
+        self.started_as: tuple[InstanceSettings, int] | None = None  # what the deployment runs with
 
     # -- the deployment ----------------------------------------------------------------------
 
@@ -178,13 +179,20 @@ class ScaleBench:
 
     def start(self, settings: InstanceSettings, shards_per_run: int, backfill: list[str] | None = None) -> dict:
         """(Re)start code server and webserver (timed), launch `backfill` if given, then start the daemon:
-        its first backfill iteration then submits the runs at once instead of up to 30 s later."""
-        if self.deployment.code_server is not None:
-            self.deployment.stop()
-        self.deployment.write_instance(settings)
-        self.write_datasets(shards_per_run)
-        code_server_s, _ = timed(self.deployment.start_code_server)
-        webserver_s, _ = timed(self.deployment.start_webserver)
+        its first backfill iteration then submits the runs at once instead of up to 30 s later. A
+        deployment already running with these settings keeps its code server and webserver (their
+        times are then None); only its daemon starts again."""
+        code_server_s = webserver_s = None
+        if self.started_as != (settings, shards_per_run):
+            if self.deployment.code_server is not None:
+                self.deployment.stop()
+            self.deployment.write_instance(settings)
+            self.write_datasets(shards_per_run)
+            code_server_s, _ = timed(self.deployment.start_code_server)
+            webserver_s, _ = timed(self.deployment.start_webserver)
+            self.started_as = (settings, shards_per_run)
+        elif self.deployment.daemon is not None:
+            self.deployment.stop_daemon()
         launched = self.launch(backfill) if backfill else None
         self.deployment.start_daemon()
         return {"code_server_s": code_server_s, "webserver_s": webserver_s, "backfill": launched}

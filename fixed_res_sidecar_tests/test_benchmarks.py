@@ -209,7 +209,7 @@ def test_dagster_scale_reports_every_figure(deployment_slot, tmp_path, capsys):
     """--dagster-scale at a tiny size, for real (PostgreSQL, code server, daemon, webserver): every figure
     is reported, finite and not negative, and nothing is left running. No timing is asserted.
 
-    The deployment starts three times (once, then for the batch size and for the up-to-date backfill);
+    The deployment starts twice (once, then for the batch size; the up-to-date backfill restarts the daemon);
     the backfill loop and the automation sensor's interval are 5 s here instead of the shipped 30 s, which
     only the figures of a real run need. One batch size: a second would only run the same code again.
     """
