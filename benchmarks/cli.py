@@ -6,11 +6,12 @@
     python -m benchmarks --cprofile          # CPU profile of the fused build of one shard
     python -m benchmarks --dagster-scale     # Dagster at 10k/100k partitions on Postgres (~13 min)
     python -m benchmarks --fidelity          # fidelity scores of good and damaged outputs; verifier cost
+    python -m benchmarks --storage-pool      # Dagster's storage calls to PostgreSQL, direct and via PgBouncer
 
 Run from the repository root. Without a mode option it runs the comparison; --compare adds
 it to the other modes. Each mode lives in its own module (compare, webp_methods, memory,
-profiling, dagster_scale): a new mode adds its module and its option here. benchmarks/README.md explains
-the figures.
+profiling, dagster_scale, fidelity, storage_pool): a new mode adds its module and its option
+here. benchmarks/README.md explains the figures.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from benchmarks.memory import print_memory, run_memory
 from benchmarks.naive_venv import NAIVE_PILLOW_VERSION, NAIVE_VENV_NAME, naive_runtime
 from benchmarks.profiling import run_cprofile
 from benchmarks.report import print_compare
+from benchmarks.storage_pool import print_storage_pool, run_storage_pool
 from benchmarks.webp_methods import print_webp_methods, run_webp_methods
 
 
@@ -90,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--fidelity-rows", type=int, default=64, help="rows of the --fidelity cost shard (default 64)")
     parser.add_argument("--fidelity-quick", action="store_true", help=argparse.SUPPRESS)  # the smoke test
+    parser.add_argument(
+        "--storage-pool",
+        action="store_true",
+        help="machine CPU of Dagster's storage calls straight to PostgreSQL and through PgBouncer",
+    )
+    parser.add_argument("--storage-calls", type=int, default=800, help="calls per round of --storage-pool")
+    parser.add_argument("--storage-rounds", type=int, default=3, help="rounds per path of --storage-pool")
     scale = parser.add_argument_group("--dagster-scale (see benchmarks/README.md, 'Dagster scale')")
     scale.add_argument(
         "--dagster-scale", action="store_true", help="Dagster on Postgres with a live daemon at many partitions"
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     common = {"seed": args.seed, "profile": args.profile, "style": args.style}
     report: dict[str, Any] = {}
-    if args.compare or not (args.webp_methods or args.memory or args.cprofile or args.dagster_scale or args.fidelity):
+    modes = (args.webp_methods, args.memory, args.cprofile, args.dagster_scale, args.fidelity, args.storage_pool)
+    if args.compare or not any(modes):
         naive = naive_runtime(
             args.workdir,
             on_installed_pil=args.naive_on_installed_pil,
@@ -189,6 +199,9 @@ def main(argv: list[str] | None = None) -> dict:
             args.workdir, args.fidelity_rows, quick=args.fidelity_quick, seed=args.seed, profile=args.profile
         )
         print_fidelity(report["fidelity"])
+    if args.storage_pool:
+        report["storage_pool"] = run_storage_pool(args.storage_calls, args.storage_rounds)
+        print_storage_pool(report["storage_pool"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str))
     return report

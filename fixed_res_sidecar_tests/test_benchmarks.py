@@ -288,3 +288,19 @@ def test_fidelity_reports_score_distributions_and_verifier_cost(tmp_path, capsys
     assert "Fidelity scores" in printed and "lowest good" in printed and "share at 1,000 rows" in printed
     assert "Moderate damage per source" in printed and "transparency_png" in printed
     assert "every row compared after 2 verifications" in printed and "Fidelity sweep at 600 CPU s per hour" in printed
+
+
+@pytest.mark.postgres
+def test_storage_pool_reports_both_paths(tmp_path, capsys):
+    """--storage-pool at a few calls: each path's rounds are measured and every figure is finite and
+    positive (`running_postgres` fails the run if its server or pooler outlives it). No ratio is asserted:
+    that is a figure of a real run."""
+    out = tmp_path / "pool.json"
+    report = cli.main(["--storage-pool", "--storage-calls", "20", "--storage-rounds", "2", "--json", str(out)])
+    pool = report["storage_pool"]
+    assert json.loads(out.read_text())["storage_pool"].keys() == pool.keys()
+    for path in ("direct", "pooled"):
+        assert len(pool[path]["cpu_s"]) == len(pool[path]["wall_s"]) == 2
+        assert all(value > 0 for value in pool[path]["wall_s"]) and pool["cpu_ms_per_call"][path] > 0
+    assert math.isfinite(pool["pooled_to_direct"]) and pool["pooled_to_direct"] > 0
+    assert "| pooled |" in capsys.readouterr().out
