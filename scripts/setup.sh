@@ -19,8 +19,12 @@ APT_PACKAGES="$BUILD_HEADERS chromium postgresql pgbouncer nodejs podman runc mm
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
-if ! dpkg -s $APT_PACKAGES >/dev/null 2>&1; then
-    echo "setup: installing apt packages: $APT_PACKAGES"
+# `dpkg -s` also passes a package removed with its configuration kept: ask for "installed".
+installed() { [ "$(dpkg-query -W -f='${Status}' "$1" 2>/dev/null)" = "install ok installed" ]; }
+missing=""
+for package in $APT_PACKAGES; do installed "$package" || missing="$missing $package"; done
+if [ -n "$missing" ]; then
+    echo "setup: installing apt packages:$missing"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $APT_PACKAGES >/dev/null
 fi
