@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 
 from benchmarks.dagster_scale_metrics import cpu_seconds as family_cpu_seconds
-from fixed_res_sidecar_tests.fixtures.postgres import SUPERUSER, PostgresServer, fresh_database, running_postgres
+from fixed_res_sidecar_tests.fixtures.postgres import PostgresServer, fresh_database, running_postgres
 from fixed_res_sidecar_tests.fixtures.processes import family
 
 PATHS = ("direct", "pooled")
@@ -27,16 +28,6 @@ def cpu_seconds(server: PostgresServer) -> float:
     """CPU seconds so far of this process, the server with its backends, and the pooler."""
     leaders = [p.pid for p in (server.process, server.pooler) if p is not None]
     return time.process_time() + sum(family_cpu_seconds(pid, family(pid)) for pid in leaders)
-
-
-def _instance(home: Path, port: int, database: str) -> dg.DagsterInstance:
-    home.mkdir()
-    (home / "dagster.yaml").write_text(
-        "storage:\n  postgres:\n    postgres_db:\n"
-        f"      {{hostname: 127.0.0.1, port: {port}, username: {SUPERUSER}, password: unused,"
-        f" db_name: {database}, scheme: postgresql+psycopg2}}\n"
-    )
-    return dg.DagsterInstance.from_config(str(home))
 
 
 def _calls(instance: dg.DagsterInstance, count: int) -> None:
@@ -52,21 +43,22 @@ def _calls(instance: dg.DagsterInstance, count: int) -> None:
 def run_storage_pool(calls: int = 800, rounds: int = 3) -> dict[str, Any]:
     """`rounds` rounds of `calls` storage calls on each path, alternating; returns the figures."""
     measured: dict[str, dict[str, list[float]]] = {path: {"cpu_s": [], "wall_s": []} for path in PATHS}
-    with running_postgres() as server, fresh_database(server) as database, tempfile.TemporaryDirectory() as temp:
+    with ExitStack() as stack:
+        server = stack.enter_context(running_postgres())
+        database = stack.enter_context(fresh_database(server))
         ports = {"direct": server.port, "pooled": server.pool_port}
-        instances = {path: _instance(Path(temp) / path, ports[path], database.name) for path in PATHS}
-        try:
-            for instance in instances.values():
-                _calls(instance, 2)  # the tables made, the first connections open
-            for _ in range(rounds):
-                for path, instance in instances.items():
-                    cpu, wall = cpu_seconds(server), time.monotonic()
-                    _calls(instance, calls)
-                    measured[path]["cpu_s"].append(cpu_seconds(server) - cpu)
-                    measured[path]["wall_s"].append(time.monotonic() - wall)
-        finally:
-            for instance in instances.values():
-                instance.dispose()
+        instances = {
+            path: stack.enter_context(database.instance(Path(stack.enter_context(tempfile.TemporaryDirectory())), port))
+            for path, port in ports.items()
+        }
+        for instance in instances.values():
+            _calls(instance, 2)  # the tables made, the first connections open
+        for _ in range(rounds):
+            for path, instance in instances.items():
+                cpu, wall = cpu_seconds(server), time.monotonic()
+                _calls(instance, calls)
+                measured[path]["cpu_s"].append(cpu_seconds(server) - cpu)
+                measured[path]["wall_s"].append(time.monotonic() - wall)
     per_call = {path: 1000 * sum(measured[path]["cpu_s"]) / (calls * rounds) for path in PATHS}
     return {
         "calls": calls,
