@@ -88,11 +88,14 @@ def deployment(two_node_ray_cluster, postgres_server, tmp_path_factory):
 
 @pytest.fixture
 def cluster(two_node_ray_cluster) -> RayCluster:
-    """The cluster with a live worker node (a fresh one if an earlier test killed it)."""
+    """The cluster with a live worker node (a fresh one if an earlier test killed it), once no run of an
+    earlier test holds a node's CPU: a run's end is stored before its Ray job ends, and while one held
+    the worker node's one CPU, every task of the next test went to the head (c65)."""
     started = time.monotonic()
     node = two_node_ray_cluster.replace_worker()
     if time.monotonic() - started > 1:
         print(f"\nreplacement worker node {node.name} up in {node.start_seconds:.1f} s")
+    wait_until(lambda: not jobs_running(two_node_ray_cluster), 120, "the Ray jobs of earlier tests to end")
     return two_node_ray_cluster
 
 
@@ -112,6 +115,16 @@ def ended_ray_job(cluster: RayCluster, run_id: str, timeout: float = 60) -> dict
     """The run's Ray job once it ended (a run's end is stored before its worker process exits)."""
     return wait_until(lambda: (job := ray_job(cluster, run_id))["status"] in RAY_JOB_ENDED and job, timeout,
                       f"the Ray job of run {run_id} to end")  # fmt: skip
+
+
+def jobs_running(cluster: RayCluster) -> dict[int, str]:
+    """The processes of Ray jobs on the cluster's nodes (run workers, job supervisors): pid -> command line."""
+    return {
+        pid: cmd
+        for node in cluster.nodes()
+        for pid, cmd in node.processes().items()
+        if "execute_run" in cmd or "JobSupervisor" in cmd
+    }
 
 
 def run_workers(node: RayNode) -> dict[int, str]:
