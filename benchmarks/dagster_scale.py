@@ -50,6 +50,7 @@ from benchmarks.dagster_scale_metrics import (
     cpu_seconds,
     median_of,
     run_timings,
+    server_cpu_seconds,
     shard_work,
     tick_summary,
     timed,
@@ -360,13 +361,10 @@ class ScaleBench:
     def cpu(self) -> dict[str, float]:
         """CPU seconds so far of the code server, the daemon and PostgreSQL with PgBouncer in front of it
         (each with its children, those that ended too: a backend per server connection)."""
-        deployment, server = self.deployment, self.deployment.database.server
-        leaders = {"code_server": [deployment.code_server], "daemon": [deployment.daemon]}
-        leaders["postgres"] = [server.process, server.pooler]
-        return {
-            name: sum(cpu_seconds(p.pid, family(p.pid)) for p in processes if p is not None)
-            for name, processes in leaders.items()
-        }
+        deployment = self.deployment
+        leaders = {"code_server": deployment.code_server, "daemon": deployment.daemon}
+        cpu = {name: cpu_seconds(p.pid, family(p.pid)) if p is not None else 0.0 for name, p in leaders.items()}
+        return {**cpu, "postgres": server_cpu_seconds(deployment.database.server)}
 
     def automation_ticks(self, instance: dg.DagsterInstance, keys: DatasetKeys, after: float) -> dict[str, Any]:
         """The automation sensor's ticks that started after `after`, at that many partitions."""

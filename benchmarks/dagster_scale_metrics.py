@@ -13,6 +13,8 @@ from typing import Any
 import dagster as dg
 
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import launched_at
+from fixed_res_sidecar_tests.fixtures.postgres import PostgresServer
+from fixed_res_sidecar_tests.fixtures.processes import family
 
 BACKFILL_TAG = "dagster/backfill"
 
@@ -42,6 +44,11 @@ def cpu_seconds(leader: int, pids: set[int]) -> float:
         utime, stime, cutime, cstime = (int(v) for v in fields[11:15])
         total += (utime + stime + (cutime + cstime if pid == leader else 0)) / tick
     return total
+
+
+def server_cpu_seconds(server: PostgresServer) -> float:
+    """CPU seconds so far of a PostgreSQL server with its backends (those that ended too) and its pooler."""
+    return sum(cpu_seconds(leader.pid, family(leader.pid)) for leader in server.leaders)
 
 
 def tick_summary(ticks: Sequence) -> dict[str, float]:

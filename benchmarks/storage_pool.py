@@ -17,17 +17,15 @@ from typing import Any
 
 import dagster as dg
 
-from benchmarks.dagster_scale_metrics import cpu_seconds as family_cpu_seconds
+from benchmarks.dagster_scale_metrics import server_cpu_seconds
 from fixed_res_sidecar_tests.fixtures.postgres import PostgresServer, fresh_database, running_postgres
-from fixed_res_sidecar_tests.fixtures.processes import family
 
 PATHS = ("direct", "pooled")
 
 
 def cpu_seconds(server: PostgresServer) -> float:
     """CPU seconds so far of this process, the server with its backends, and the pooler."""
-    leaders = [p.pid for p in (server.process, server.pooler) if p is not None]
-    return time.process_time() + sum(family_cpu_seconds(pid, family(pid)) for pid in leaders)
+    return time.process_time() + server_cpu_seconds(server)
 
 
 def _calls(instance: dg.DagsterInstance, count: int) -> None:
