@@ -105,6 +105,10 @@ class BoxOutcome(str, Enum):
     MALFORMED = "malformed"
 
 
+# BoxCounts' field per outcome (an Enum's `.value` is a property lookup: this runs for every box).
+_COUNTED = {outcome: outcome.value for outcome in BoxOutcome}
+
+
 @dataclass
 class BoxCounts:
     total: int = 0
@@ -115,7 +119,8 @@ class BoxCounts:
 
     def add(self, outcome: BoxOutcome) -> None:
         self.total += 1
-        setattr(self, outcome.value, getattr(self, outcome.value) + 1)
+        name = _COUNTED[outcome]
+        setattr(self, name, getattr(self, name) + 1)
 
     def merge(self, other: "BoxCounts") -> None:
         for name, value in asdict(other).items():
@@ -135,13 +140,6 @@ class CropFrame:
     y0: float
     x1: float
     y1: float
-
-    def to_crop_y(self, v: float) -> float:
-        """A 0..1000 source-grid y to the crop's 0..1000 grid (unclipped)."""
-        return (v / GRID * self.src_height - self.y0) / (self.y1 - self.y0) * GRID
-
-    def to_crop_x(self, v: float) -> float:
-        return (v / GRID * self.src_width - self.x0) / (self.x1 - self.x0) * GRID
 
     @classmethod
     def from_audit(cls, record: AuditRecord) -> "CropFrame | None":
@@ -237,14 +235,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+_JSON_NUMBERS = (int, float)  # the types JSON numbers parse to; anything else takes `_is_number`
+
+
 def parse_box(value: Any) -> tuple[float, float, float, float] | None:
     """The box [ymin, xmin, ymax, xmax] if well-formed, else None (malformed)."""
-    if not isinstance(value, list) or len(value) != 4 or not all(_is_number(v) for v in value):
-        return None
-    if not all(0 <= v <= GRID for v in value):
+    if not isinstance(value, list) or len(value) != 4:
         return None
     ymin, xmin, ymax, xmax = value
-    if ymin > ymax or xmin > xmax:
+    # Exact types first (what JSON gives; this runs for every box), then the rule itself.
+    numbers = _JSON_NUMBERS
+    json_numbers = type(ymin) in numbers and type(xmin) in numbers and type(ymax) in numbers and type(xmax) in numbers
+    if not json_numbers and not all(_is_number(v) for v in value):
+        return None
+    if not (0 <= ymin <= ymax <= GRID and 0 <= xmin <= xmax <= GRID):
         return None
     return ymin, xmin, ymax, xmax
 
@@ -275,10 +279,6 @@ def is_valid_crop_box(value: Any) -> bool:
     return 0 <= ymin <= ymax <= GRID and 0 <= xmin <= xmax <= GRID
 
 
-def _round_half_up(value: float) -> int:
-    return math.floor(value + 0.5)
-
-
 def transform_box(value: Any, frame: CropFrame, orientation: int = 1) -> tuple[list[int] | None, BoxOutcome]:
     """One caption box into the crop frame: (new box or None, what happened to it).
 
@@ -288,11 +288,25 @@ def transform_box(value: Any, frame: CropFrame, orientation: int = 1) -> tuple[l
     if box is None:
         return None, BoxOutcome.MALFORMED
     ymin, xmin, ymax, xmax = box if orientation == exif.UPRIGHT else caption_box_to_oriented(box, orientation)
-    unclipped = (frame.to_crop_y(ymin), frame.to_crop_x(xmin), frame.to_crop_y(ymax), frame.to_crop_x(xmax))
-    result = [_round_half_up(min(max(v, 0.0), GRID)) for v in unclipped]
+    # The module docstring's transform: a 0..1000 source-grid value to the crop's 0..1000 grid, clipped,
+    # then rounded half up. Written out per value, without calls: this runs for every box of every caption.
+    height, width, y0, x0 = frame.src_height, frame.src_width, frame.y0, frame.x0
+    crop_height, crop_width = frame.y1 - y0, frame.x1 - x0
+    top = (ymin / GRID * height - y0) / crop_height * GRID
+    left = (xmin / GRID * width - x0) / crop_width * GRID
+    bottom = (ymax / GRID * height - y0) / crop_height * GRID
+    right = (xmax / GRID * width - x0) / crop_width * GRID
+    floor = math.floor
+    result = [
+        0 if top <= 0.0 else GRID if top >= GRID else floor(top + 0.5),
+        0 if left <= 0.0 else GRID if left >= GRID else floor(left + 0.5),
+        0 if bottom <= 0.0 else GRID if bottom >= GRID else floor(bottom + 0.5),
+        0 if right <= 0.0 else GRID if right >= GRID else floor(right + 0.5),
+    ]
     if result[0] >= result[2] or result[1] >= result[3]:
         return None, BoxOutcome.OUTSIDE
-    if all(-EDGE_TOLERANCE <= v <= GRID + EDGE_TOLERANCE for v in unclipped):
+    low, high = -EDGE_TOLERANCE, GRID + EDGE_TOLERANCE
+    if low <= top <= high and low <= left <= high and low <= bottom <= high and low <= right <= high:
         return result, BoxOutcome.INSIDE
     return result, BoxOutcome.CLIPPED
 
