@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from benchmarks import corpus as corpus_mod
 from benchmarks.common import log
 from benchmarks.damage import DAMAGE, encode_damaged
-from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Rendering, decoded, score_output
+from fixed_res_sidecar.core.fidelity import FIDELITY_MIN_SCORE, Rendering, Renders, decoded, score_output
 from fixed_res_sidecar.core.pixel_settings import PixelOptions
 from fixed_res_sidecar.core.pixels import process_image
 from fixed_res_sidecar.core.resolutions import RESOLUTIONS
@@ -154,27 +154,34 @@ def score_distributions(sources: dict[str, bytes]) -> dict:
     defaults = {name: process_image(data, list(AREAS.values()), PixelOptions()) for name, data in sources.items()}
     fused = list(AREAS.values())
 
-    def score(data: bytes, stored: Image.Image, area: int, options: PixelOptions = PixelOptions()) -> float:
-        """As the verifier scores (core/fidelity.py `score_output`): the fused path, else the one-area path."""
-        scored = score_output(data, stored, Rendering(area, options, built_with=fused))
+    def score(
+        data: bytes, renders: Renders, stored: Image.Image, area: int, options: PixelOptions = PixelOptions()
+    ) -> float:
+        """As the verifier scores (core/fidelity.py `score_output`): the fused path, else the one-area path.
+        `renders`: the source's expected renders and outputs, made once for all its scores."""
+        scored = score_output(data, stored, Rendering(area, options, built_with=fused), renders=renders)
         if isinstance(scored, str):
             raise RuntimeError(scored)
         return scored[0].score
 
     for index, (name, data) in enumerate(sources.items()):
         other_name = names[(index + 1) % len(names)]
+        renders = Renders()
+        built = {  # each good variant's fused build (the default's is made above)
+            variant: defaults[name] if options == PixelOptions() else process_image(data, fused, options)
+            for variant, options in GOOD.items()
+        }
         for position, (resolution, area) in enumerate(AREAS.items()):
             row = {"source": name, "resolution": resolution}
             # Built alone (build-0-262mp / build-1-05mp): another resampling path than the fused one.
             (alone,) = process_image(data, [area], PixelOptions())
-            row[SINGLE] = score(data, decoded(alone.image), area)
+            row[SINGLE] = score(data, renders, decoded(alone.image), area)
             for variant, options in GOOD.items():
                 # Built with `options`, compared with what the default settings expect: another encoder
                 # effort stands in for another libwebp (with its own settings the score is 0 by construction).
                 # JPEG output is compared with its own settings (alpha composited on white, as it expects).
-                result = process_image(data, fused, options)[position]
                 reference = PixelOptions() if options.output_format == "webp" else options
-                row[variant] = score(data, decoded(result.image), area, reference)
+                row[variant] = score(data, renders, decoded(built[variant][position].image), area, reference)
             stored = decoded(defaults[name][position].image)
             others = {
                 "other": decoded(defaults[other_name][position].image),
@@ -184,9 +191,9 @@ def score_distributions(sources: dict[str, bytes]) -> dict:
                 if damage != "heavy_recompression" and _unchanged(DAMAGE[damage](stored, **others), stored):
                     continue  # e.g. the channels of a grey picture reversed: the same picture, nothing to catch
                 damaged = decoded(encode_damaged(damage, stored, "webp", PixelOptions().quality, **others))
-                row[damage] = score(data, damaged, area)
+                row[damage] = score(data, renders, damaged, area)
             for damage, make in MODERATE.items():
-                row[damage] = score(data, decoded(_webp(*make(stored))), area)
+                row[damage] = score(data, renders, decoded(_webp(*make(stored))), area)
             for variant, value in row.items():
                 if variant in scores:
                     scores[variant].append(value)

@@ -23,7 +23,7 @@ picture asked for. The threshold was set from the measured distributions (docs/f
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from PIL import Image
@@ -42,12 +42,6 @@ IDENTICAL_PSNR = 100.0  # PSNR of identical pixels (infinite; JSON has no infini
 # Below this a row is also rendered as a one-resolution build makes it (score_output): a fused build
 # scores 0 against the fused render, another WebP method -0.7 at worst, a one-resolution build -1.7.
 OTHER_PATH_BELOW = -1.0
-
-
-# Expected renders of one source kept for reuse: (areas rendered together, rendering) -> the
-# pipeline's results, one per area. A fused build makes both resolutions from one decode, and so
-# the check of one resolution renders the other's too; the second check then needs no render.
-Renders = dict[tuple[tuple[int, ...], PixelOptions], list]
 
 
 @dataclass(frozen=True)
@@ -70,6 +64,18 @@ class Expected:
 
     image: Image.Image
     fresh_psnr: float  # PSNR of the expected image encoded with the expected settings
+
+
+@dataclass
+class Renders:
+    """What was rendered for one source, kept for reuse. `images`: (areas rendered together, options) ->
+    the pipeline's unencoded results, one per area; a fused build makes both resolutions from one decode,
+    so the check of one resolution renders the other's too and the second check renders nothing.
+    `expected`: the expected outputs made from them, each with its fresh encode, per (areas, options,
+    area, output options)."""
+
+    images: dict[tuple[tuple[int, ...], PixelOptions], list] = field(default_factory=dict)
+    expected: dict[tuple[tuple[int, ...], PixelOptions, int, PixelOptions], Expected] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,17 +104,23 @@ def expected_output(
     area = rendering.area
     areas = tuple(sorted({area, *rendering.built_with}, reverse=True))
     reference = reference_options(rendering.options)
-    results = renders.get((areas, reference)) if renders is not None else None
+    made = (areas, reference, area, rendering.options)
+    if renders is not None and made in renders.expected:
+        return renders.expected[made], None
+    results = renders.images.get((areas, reference)) if renders is not None else None
     if results is None:
         results = process_image(source, list(areas), reference, budget, encode=False)
         if renders is not None:
-            renders[(areas, reference)] = results
+            renders.images[(areas, reference)] = results
     result = results[areas.index(area)]
     if not result.record.valid:
         return None, f"the source gives no image now: {result.record.error}: {result.record.error_detail}"
     image = result.finished
     assert image is not None  # a valid result of an unencoded render holds its finished image
-    return Expected(image, psnr(image, decoded(encode_output(image, rendering.options)))), None
+    expected = Expected(image, psnr(image, decoded(encode_output(image, rendering.options))))
+    if renders is not None:
+        renders.expected[made] = expected
+    return expected, None
 
 
 def score_output(

@@ -13,6 +13,7 @@ from fixed_res_sidecar.core.fidelity import (
     PSNR_CAP,
     Expected,
     Rendering,
+    Renders,
     decoded,
     difference_image,
     expected_output,
@@ -54,18 +55,21 @@ def test_the_build_scores_zero_and_the_same_picture_re_encoded_stays_close(photo
 def test_renders_of_a_source_are_reused_for_the_other_area(photo):
     """The fused render made for one area serves the other: the second needs neither the source nor a
     render, and gives the same expected image as rendering afresh."""
-    renders = {}
+    renders = Renders()
     expected_output(photo, Rendering(AREA_512, PixelOptions(), built_with=(AREA_1024,)), renders=renders)
-    assert len(renders) == 1
+    assert len(renders.images) == 1
     reused, problem = expected_output(
         None, Rendering(AREA_1024, PixelOptions(), built_with=(AREA_512,)), renders=renders
     )
     fresh, _ = expected_output(photo, Rendering(AREA_1024, PixelOptions(), built_with=(AREA_512,)))
-    assert problem is None and len(renders) == 1
+    assert problem is None and len(renders.images) == 1
     assert reused.image.tobytes() == fresh.image.tobytes() and reused.fresh_psnr == fresh.fresh_psnr
+    # Asked again, the expected output itself is kept: the same object, no second encode.
+    again, _ = expected_output(None, Rendering(AREA_1024, PixelOptions(), built_with=(AREA_512,)), renders=renders)
+    assert again is reused and len(renders.expected) == 2
     # Other settings are another render.
     expected_output(photo, Rendering(AREA_1024, PixelOptions(square=True), built_with=(AREA_512,)), renders=renders)
-    assert len(renders) == 2
+    assert len(renders.images) == 2
 
 
 def test_wrong_pictures_score_far_below_the_threshold(photo):

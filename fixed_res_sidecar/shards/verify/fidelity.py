@@ -116,7 +116,7 @@ def check_fidelity(
     scoring = Scoring(rendering, min_score, MemoryBudget(decode_budget_bytes(DEFAULT_TASK_MEMORY_GB)))
     scored = []
     for row in rows:
-        renders = shared.renders.setdefault(row, {}) if keep else None
+        renders = shared.renders.setdefault(row, Renders()) if keep else None
         source = shared.sources.get(row)
         scored.append(score_row(row, stored.keys[row], source, stored.images[row], scoring, renders))
     return fidelity_result(uri, scored, min_score)

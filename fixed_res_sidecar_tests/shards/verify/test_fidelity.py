@@ -132,7 +132,7 @@ def test_both_resolutions_of_a_shard_share_its_sources_and_renders(sidecar_build
     }
     assert together == alone and alone["512"]["checked"] == 8
     assert len(shared.sources) == 8 and set(shared.renders) == set(shared.sources)
-    assert all(len(renders) == 1 for renders in shared.renders.values())  # one fused render per row
+    assert all(len(renders.images) == 1 for renders in shared.renders.values())  # one fused render per row
     # Damage in the second resolution is still seen through the shared renders.
     damages = damaged_build(sidecar_build, "1024", ["black"])
     damaged = verify_resized_shard(layout, REL, "1024", VerifyOptions(), shared).check(FIDELITY)
