@@ -176,3 +176,53 @@ def test_a_plain_install_without_extras_runs_in_a_clean_venv(tmp_path):
     demo = run(str(venv / "bin" / "sidecar-ops"), "demo", "--workdir", "demo", "--shards", "1", "--rows-per-shard", "3")
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "result: OK" in demo.stdout
+
+
+# ---- scripts/requirements_met.py: what lets scripts/setup.sh skip pip's resolver
+
+
+def _requirements_met():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("requirements_met", REPO_ROOT / "scripts" / "requirements_met.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_requirements_met_names_the_first_requirement_not_installed_at_any_depth(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    unmet = _requirements_met().unmet
+    assert unmet(REPO_ROOT / "pyproject.toml", ["test", "ray", "deploy"]) is None  # this machine, set up
+    # Installed distributions of our own making: one needing pytest, and with its extra "more" a missing
+    # package (and on Python 2 only another); one needing a missing package.
+    site = tmp_path / "site"
+    made = {
+        "made-up-dist": 'pytest\nRequires-Dist: made-up-extra-dep; extra == "more"\n'
+        'Requires-Dist: made-up-python2-dep; python_version < "3"',
+        "made-up-broken": "made-up-not-installed",
+    }
+    for name, requires in made.items():
+        (site / f"{name.replace('-', '_')}-1.0.dist-info").mkdir(parents=True)
+        (site / f"{name.replace('-', '_')}-1.0.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\nRequires-Dist: {requires}\n"
+        )
+    monkeypatch.syspath_prepend(str(site))
+    pyproject = tmp_path / "pyproject.toml"
+
+    def unmet_with(dependencies: list[str], extra: list[str] | None = None) -> str | None:
+        pyproject.write_text(
+            f"[project]\nname = 'p'\ndependencies = {dependencies!r}\n"
+            f"[project.optional-dependencies]\nextra = {extra or []!r}\n"
+        )
+        return unmet(pyproject, ["extra"])
+
+    assert unmet_with(["made-up-dist==1.0", "pytest>=1"]) is None
+    assert unmet_with(['made-up-python2-only; python_version < "3"']) is None
+    assert unmet_with(["pytest"], extra=["made-up-not-installed"]) == "made-up-not-installed: not installed"
+    assert unmet_with(["made_up_broken"]) == "made-up-not-installed: not installed"  # a level down
+    assert unmet_with(["pytest==0.0.1"]) == f"pytest==0.0.1: {metadata.version('pytest')} is installed"
+    assert unmet_with(["made-up-dist[more]"]) == 'made-up-extra-dep; extra == "more": not installed'
+    assert unmet(REPO_ROOT / "pyproject.toml", ["no-such-extra"]) == "no such extra in pyproject.toml: no-such-extra"
