@@ -78,13 +78,16 @@ def work_order(scopes: Iterable[str]) -> list[str]:
     (module fixtures: a UI's `dagster dev`, a Ray cluster, the image; mostly waiting) spread over the
     first half of them, so that while the lanes wait a worker on CPU work keeps the cores busy. xdist
     itself hands out the biggest groups first, which left every worker waiting for the first 11 minutes
-    (1.5 of 2 cores busy) and the cores oversubscribed after."""
+    (1.5 of 2 cores busy) and the cores oversubscribed after. The single tests of the package's own
+    modules (installs, benchmarks, the documented commands: the longest ones) come first: last, one took
+    45 s alone with the other core idle (c70)."""
     from fixed_res_sidecar_tests.fixtures.dagster_deployment import DEPLOYMENT_LANES
 
     scopes = list(scopes)
     lanes = [scope for scope in scopes if scope in DEPLOYMENT_LANES]
     groups = [scope for scope in scopes if "::" not in scope and scope not in DEPLOYMENT_LANES]
     singles = [scope for scope in scopes if "::" in scope]
+    singles.sort(key=lambda scope: scope.count("/") > 1)  # fixed_res_sidecar_tests/test_x.py::... first
     ordered = list(singles)
     for index, group in reversed(list(enumerate(groups))):
         ordered.insert(index * (len(singles) // 2) // len(groups), group)
