@@ -23,7 +23,7 @@ from fixed_res_sidecar_tests.fixtures.postgres import PostgresServer, fresh_data
 PATHS = ("direct", "pooled")
 
 
-def cpu_seconds(server: PostgresServer) -> float:
+def client_and_server_cpu(server: PostgresServer) -> float:
     """CPU seconds so far of this process, the server with its backends, and the pooler."""
     return time.process_time() + server_cpu_seconds(server)
 
@@ -53,9 +53,9 @@ def run_storage_pool(calls: int = 800, rounds: int = 3) -> dict[str, Any]:
             _calls(instance, 2)  # the tables made, the first connections open
         for _ in range(rounds):
             for path, instance in instances.items():
-                cpu, wall = cpu_seconds(server), time.monotonic()
+                cpu, wall = client_and_server_cpu(server), time.monotonic()
                 _calls(instance, calls)
-                measured[path]["cpu_s"].append(cpu_seconds(server) - cpu)
+                measured[path]["cpu_s"].append(client_and_server_cpu(server) - cpu)
                 measured[path]["wall_s"].append(time.monotonic() - wall)
     per_call = {path: 1000 * sum(measured[path]["cpu_s"]) / (calls * rounds) for path in PATHS}
     return {
