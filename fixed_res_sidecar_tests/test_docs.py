@@ -323,6 +323,14 @@ def test_a_run_started_with_sigint_ignored_gives_its_commands_sigint_as_from_a_t
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
 
 
+def test_the_slow_single_tests_are_collected_before_the_quick_ones(request):
+    """conftest.py: among the tests of no xdist group, the slow ones come first in the collection (so in
+    `work_order`), the quick ones after; in the fast tier there are none to move."""
+    singles = [item for item in request.session.items if not item.get_closest_marker("xdist_group")]
+    slow = [item.get_closest_marker("slow") is not None for item in singles]
+    assert slow == sorted(slow, reverse=True)
+
+
 def test_the_workers_get_the_lanes_first_then_single_tests_with_the_other_groups_spread_among_them():
     """docs/testing.md: the order in which pytest-xdist's workers get their work (conftest.py)."""
     deep = [f"fixed_res_sidecar_tests/cli/test_build.py::test_{i}" for i in range(36)]

@@ -12,6 +12,7 @@ from fixed_res_sidecar.defs.config import SidecarConfig, parse_config
 from fixed_res_sidecar.defs.dataset_definitions import build_definitions
 from fixed_res_sidecar.io.locations import Location
 from fixed_res_sidecar.sample_data import write_sample_dataset
+from fixed_res_sidecar_tests.fixtures.shared import made_once
 
 # Two shards, one in a nested folder; row 6 of each is a bad row (null image). Small
 # pictures keep a shard run to a few seconds.
@@ -29,9 +30,7 @@ def write_tiny(location: Location | str, shards=TINY_SHARDS) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_main_template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny-main")
-    write_tiny(root)
-    return root
+    return made_once(tmp_path_factory, "tiny-main", write_tiny)
 
 
 @pytest.fixture
