@@ -112,9 +112,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture in getattr(item, "fixturenames", ()):
             if fixture in FIXTURE_MARKERS:
                 item.add_marker(FIXTURE_MARKERS[fixture])
-        slow = any(item.get_closest_marker(name) for name in SLOW_MARKERS)
-        if slow:
+        if any(item.get_closest_marker(name) for name in SLOW_MARKERS):
             item.add_marker("slow")
+        slow = item.get_closest_marker("slow") is not None  # a tier's marker, or `slow` itself
         if group := _xdist_group(item):
             item.add_marker(pytest.mark.xdist_group(group))
         elif slow:

@@ -74,9 +74,24 @@ def tiny_defs(tiny_config) -> dg.Definitions:
     return build_definitions(tiny_config)
 
 
+@pytest.fixture(scope="session")
+def instance_template(tmp_path_factory) -> Path:
+    """A new test instance's storage (its SQLite schemas), made once for the run: creating the schemas
+    takes a new instance 0.37 CPU-s, copying them 0.05."""
+
+    def make(root: Path) -> None:
+        with dg.instance_for_test(temp_dir=str(root)) as instance:
+            instance.get_runs()
+
+    return made_once(tmp_path_factory, "instance-template", make)
+
+
 @pytest.fixture
-def instance():
-    with dg.instance_for_test() as instance:
+def instance(instance_template, tmp_path):
+    """A new `dg.instance_for_test()`, its storage copied from `instance_template`."""
+    home = tmp_path / "test-instance"
+    shutil.copytree(instance_template, home)
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
         yield instance
 
 
