@@ -229,7 +229,9 @@ def test_killed_mid_shard_leaves_no_output_and_rerun_completes(tmp_path):
     Path(main.path).mkdir()
     pq.write_table(table, Path(main.path) / "big.parquet", row_group_size=16)
     out = tmp_path / "out"
-    args = ["build-1-05mp", "--main-prefix", main.uri, "--output-prefix", str(out), "--skip-existing"]
+    # WebP effort 0: the shard still takes seconds (what the kill needs); the rerun half the CPU.
+    args = ["build-1-05mp", "--main-prefix", main.uri, "--output-prefix", str(out), "--skip-existing",
+            "--webp-method", "0"]  # fmt: skip
     process = subprocess.Popen([*SIDECAR_OPS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
@@ -339,8 +341,11 @@ def test_skip_existing_rebuilds_what_main_changed_and_the_verifiers_call_the_old
 
 
 def _build_both_args(main: Location, out: str) -> list[str]:
+    """WebP effort 0 (the encoder's fastest): these tests are about processes, signals, temporaries and
+    uploads, not the encoder; at effort 4 a build of the slow shards took 1.9x the CPU."""
     return ["build-both", "--main-prefix", main.uri, "--output-prefix-512", f"{out}/512",
-            "--output-prefix-1024", f"{out}/1024", "--max-inflight", "2", "--skip-existing"]  # fmt: skip
+            "--output-prefix-1024", f"{out}/1024", "--max-inflight", "2", "--skip-existing",
+            "--webp-method", "0"]  # fmt: skip
 
 
 def _temporaries(out: Path) -> list[Path]:
@@ -463,8 +468,7 @@ def s3_build(s3_bucket, s3_server, tmp_path):
     tmpdir.mkdir()
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     with slow_uplink(s3_server, 2_000_000) as slow_endpoint:
-        # WebP effort 0: these tests are about uploads, which the slow uplink keeps open, not the encoder.
-        args = [*_build_both_args(_noise_main(tmp_path), out), "--webp-method", "0"]
+        args = _build_both_args(_noise_main(tmp_path), out)  # the slow uplink keeps the uploads open
         yield S3Build(args, out, tmpdir, env, {**env, "AWS_ENDPOINT_URL": slow_endpoint})
 
 
