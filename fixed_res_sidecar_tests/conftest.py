@@ -85,16 +85,14 @@ def work_order(scopes: Iterable[str]) -> list[str]:
     (module fixtures: a UI's `dagster dev`, a Ray cluster, the image; mostly waiting) spread over the
     first half of them, so that while the lanes wait a worker on CPU work keeps the cores busy. xdist
     itself hands out the biggest groups first, which left every worker waiting for the first 11 minutes
-    (1.5 of 2 cores busy) and the cores oversubscribed after. The single tests of the package's own
-    modules (installs, benchmarks, the documented commands: the longest ones) come first: last, one took
-    45 s alone with the other core idle (c70)."""
+    (1.5 of 2 cores busy) and the cores oversubscribed after. The single tests keep their collection
+    order (`pytest_collection_modifyitems`: the slow ones first, the longest of them first)."""
     from fixed_res_sidecar_tests.fixtures.dagster_deployment import DEPLOYMENT_LANES
 
     scopes = list(scopes)
     lanes = [scope for scope in scopes if scope in DEPLOYMENT_LANES]
     groups = [scope for scope in scopes if "::" not in scope and scope not in DEPLOYMENT_LANES]
     singles = [scope for scope in scopes if "::" in scope]
-    singles.sort(key=lambda scope: scope.count("/") > 1)  # fixed_res_sidecar_tests/test_x.py::... first
     ordered = list(singles)
     for index, group in reversed(list(enumerate(groups))):
         ordered.insert(index * (len(singles) // 2) // len(groups), group)
@@ -106,7 +104,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tiers' markers and the xdist groups; then the slow tests of no group go first (grouped tests
     keep their place, with their module's fixture), so that the quick ones fill the workers' last minute
     (`work_order` keeps this order among single tests): last, a 29 s test began 3 s before the quick ones
-    ran out, and took the run's last 21 s alone (c71)."""
+    ran out, and took the run's last 21 s alone (c71). Among the slow ones, those of the package's
+    top-level modules (installs, benchmarks, the documented commands: the longest) first: last, one took
+    45 s alone with the other core idle (c70)."""
     slow_singles = []
     for item in items:
         for fixture in getattr(item, "fixturenames", ()):
@@ -119,6 +119,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group(group))
         elif slow:
             slow_singles.append(item)
+    slow_singles.sort(key=lambda item: item.nodeid.count("/") > 1)  # fixed_res_sidecar_tests/test_x.py::... first
     first = set(slow_singles)
     items[:] = slow_singles + [item for item in items if item not in first]
 

@@ -325,20 +325,21 @@ def test_a_run_started_with_sigint_ignored_gives_its_commands_sigint_as_from_a_t
 
 def test_the_slow_single_tests_are_collected_before_the_quick_ones(request):
     """conftest.py: among the tests of no xdist group, the slow ones come first in the collection (so in
-    `work_order`), the quick ones after; in the fast tier there are none to move."""
+    `work_order`), those of the package's top-level modules first among them; the quick ones after. In
+    the fast tier there are none to move."""
     singles = [item for item in request.session.items if not item.get_closest_marker("xdist_group")]
     slow = [item.get_closest_marker("slow") is not None for item in singles]
     assert slow == sorted(slow, reverse=True)
+    deep = [item.nodeid.count("/") > 1 for item, is_slow in zip(singles, slow) if is_slow]
+    assert deep == sorted(deep)  # fixed_res_sidecar_tests/test_x.py::... first
 
 
 def test_the_workers_get_the_lanes_first_then_single_tests_with_the_other_groups_spread_among_them():
     """docs/testing.md: the order in which pytest-xdist's workers get their work (conftest.py)."""
-    deep = [f"fixed_res_sidecar_tests/cli/test_build.py::test_{i}" for i in range(36)]
-    top = [f"fixed_res_sidecar_tests/test_packaging.py::test_{i}" for i in range(4)]  # the package's own modules
-    singles = [*deep[:10], *deep[10:30], *top[:2], *deep[30:], *top[2:]]
+    singles = [f"fixed_res_sidecar_tests/cli/test_build.py::test_{i}" for i in range(40)]
     groups = ["fixed_res_sidecar_tests.cli.test_ui", "fixed_res_sidecar_tests.test_image"]
     order = work_order(["deployments-2", groups[0], *singles[:10], "deployments-1", groups[1], *singles[10:]])
     assert order[:2] == ["deployments-2", "deployments-1"]
-    assert [scope for scope in order if "::" in scope] == top + deep  # the longest first, else in their order
+    assert [scope for scope in order if "::" in scope] == singles  # in their order (the collection's)
     assert order.index(groups[0]) == 2 and order.index(groups[1]) == 2 + 1 + 10  # the second after a quarter
     assert sorted(order) == sorted(["deployments-1", "deployments-2", *groups, *singles])
