@@ -69,7 +69,7 @@ def deployment(two_node_ray_cluster, postgres_server, tmp_path_factory):
     """The Ray deployment with its servers running and every dataset's shards registered."""
     root = tmp_path_factory.mktemp("ray-deployment")
     lane = deployment_lane(__name__)  # see deployment_slot
-    with deployment_lock(tmp_path_factory.getbasetemp().parent, lane), fresh_database(postgres_server) as database:
+    with deployment_lock(tmp_path_factory, lane), fresh_database(postgres_server) as database:
         settings = InstanceSettings(max_concurrent_runs=2, per_dataset_limit=2)
         with ray_deployment(two_node_ray_cluster, database, root / "deployment", settings) as deployment:
             entries = [tiny_dataset(root, name, shards, run_resources=RUN_RESOURCES, **extra)
