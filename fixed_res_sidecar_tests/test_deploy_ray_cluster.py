@@ -32,11 +32,11 @@ from fixed_res_sidecar_tests.defs.conftest import register
 from fixed_res_sidecar_tests.fixtures.dagster_deployment import (
     InstanceSettings,
     deployment_lane,
-    deployment_lock,
     wait_until,
 )
 from fixed_res_sidecar_tests.fixtures.postgres import fresh_database
 from fixed_res_sidecar_tests.fixtures.ray_cluster import RayCluster, RayNode, command_line, ray_deployment
+from fixed_res_sidecar_tests.fixtures.shared import run_lock
 from fixed_res_sidecar_tests.test_deploy_instance import (
     SLOW_SHARD,
     assert_outputs_whole,
@@ -69,7 +69,7 @@ def deployment(two_node_ray_cluster, postgres_server, tmp_path_factory):
     """The Ray deployment with its servers running and every dataset's shards registered."""
     root = tmp_path_factory.mktemp("ray-deployment")
     lane = deployment_lane(__name__)  # see deployment_slot
-    with deployment_lock(tmp_path_factory, lane), fresh_database(postgres_server) as database:
+    with run_lock(tmp_path_factory, lane), fresh_database(postgres_server) as database:
         settings = InstanceSettings(max_concurrent_runs=2, per_dataset_limit=2)
         with ray_deployment(two_node_ray_cluster, database, root / "deployment", settings) as deployment:
             entries = [tiny_dataset(root, name, shards, run_resources=RUN_RESOURCES, **extra)
